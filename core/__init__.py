@@ -1,0 +1,17 @@
+"""twinserve core: the paged KV block manager and the iteration-level scheduler.
+
+Pure Python (no torch, simpy or numpy): both the simulator and the real executor
+drive this same code.
+"""
+from core.config import CacheConfig, SchedulerConfig
+from core.engine import EngineCore, Executor
+from core.kv_cache_manager import KVCacheManager, SwapSpaceExhaustedError, hash_block
+from core.request import Request, RequestStatus, Sequence
+from core.sampling_params import InvalidRequestError, SamplingParams
+from core.scheduler import ModelRunnerOutput, ScheduledSeq, Scheduler, SchedulerOutput, StepResult
+
+__all__ = [
+    "CacheConfig", "SchedulerConfig", "EngineCore", "Executor", "KVCacheManager", "SwapSpaceExhaustedError",
+    "hash_block", "Request", "RequestStatus", "Sequence", "InvalidRequestError", "SamplingParams",
+    "ModelRunnerOutput", "ScheduledSeq", "Scheduler", "SchedulerOutput", "StepResult",
+]

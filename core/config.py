@@ -1,0 +1,51 @@
+"""Engine configuration shared by the simulator and the real executor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks: int = 0          # set by the backend (profiling / cost model) or by hand
+    num_cpu_blocks: int = 0          # swap space; 0 disables swapping (swap falls back to recompute)
+    enable_prefix_caching: bool = False
+    watermark: float = 0.01          # fraction of GPU blocks new admissions must leave free
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256              # running sequences at once
+    max_num_batched_tokens: int = 2048   # tokens computed per step (prefill + decode)
+    max_model_len: int = 2048            # prompt + output tokens of one sequence
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # >0: cap on one sequence's prefill chunk per step
+
+    def validate(self, cache: CacheConfig) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled")
+        blocks_per_seq = -(-self.max_model_len // cache.block_size)
+        if blocks_per_seq > cache.num_gpu_blocks:
+            raise ValueError(
+                f"the KV cache has {cache.num_gpu_blocks} blocks of {cache.block_size} tokens "
+                f"({cache.num_gpu_blocks * cache.block_size} tokens) but one sequence of max_model_len="
+                f"{self.max_model_len} needs {blocks_per_seq} blocks: lower max_model_len or give the "
+                f"cache more memory")

@@ -1,0 +1,255 @@
+"""The block manager: per-sequence block tables over a GPU pool and a CPU swap pool.
+
+Protocol with the scheduler, per step:
+  * `allocate_slots(seq, n)` makes the sequence's table cover `num_computed_tokens + n`
+    slots before the step computes n new tokens. If the write would land in a block
+    shared with another table, the block is copied first (copy-on-write) and the
+    (src, dst) pair is queued in `pending_copies` for the executor.
+  * blocks that will be full after the step are published in the prefix cache at
+    schedule time (the step computes them before anyone can read them: every backend
+    stores a layer's new K/V before it runs that layer's attention).
+  * `fork`, `free`, `swap_out`, `swap_in` keep refcounts == number of tables holding a block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.block_pool import BlockPool
+from core.policy_api import Evictor
+from core.request import Sequence
+
+
+class SwapSpaceExhaustedError(RuntimeError):
+    """The CPU swap pool cannot hold a sequence group; the scheduler recomputes instead."""
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: object = None) -> int:
+    """Chained prefix hash: a block's identity is its tokens *and* everything before it."""
+    return hash((parent_hash, token_ids, salt))
+
+
+@dataclass
+class KVCacheStats:
+    num_gpu_blocks: int
+    num_used_gpu_blocks: int
+    num_cached_gpu_blocks: int
+    num_cpu_blocks: int
+    num_used_cpu_blocks: int
+    prefix_cache_queries: int      # prompt tokens looked up
+    prefix_cache_hits: int         # of which found cached
+    num_evictions: int
+
+    @property
+    def gpu_usage(self) -> float:
+        return self.num_used_gpu_blocks / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        *,
+        enable_prefix_caching: bool = False,
+        evictor: Evictor | None = None,
+        watermark: float = 0.01,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if enable_prefix_caching and evictor is None:
+            raise ValueError("prefix caching needs an evictor (see policies.eviction)")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.gpu = BlockPool(num_gpu_blocks, evictor if enable_prefix_caching else None, "gpu")
+        self.cpu = BlockPool(num_cpu_blocks, None, "cpu")
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.tables: dict[int, list[int]] = {}       # seq_id -> GPU block ids
+        self.cpu_tables: dict[int, list[int]] = {}   # seq_id -> CPU block ids (swapped out)
+        self._num_registered: dict[int, int] = {}     # seq_id -> leading blocks already in the cache index
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- prefix cache -------------------------------------------------------------------
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Make sure seq.block_hashes covers its first `num_blocks` full blocks."""
+        hashes = seq.block_hashes
+        bs, toks, salt = self.block_size, seq.token_ids, seq.request.lora_salt
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block(parent, tuple(toks[i * bs:(i + 1) * bs]), salt)
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Longest run of cached full blocks for `seq`'s known tokens, always leaving at
+        least the last token to compute (its logits are needed). Takes no references."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._extend_hashes(seq, max_blocks)
+        found = []
+        lookup = self.gpu.lookup
+        for i in range(max_blocks):
+            b = lookup(hashes[i])
+            if b is None:
+                break
+            found.append(b)
+        return found
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    # -- capacity checks ----------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
+        """GPU blocks `allocate_slots(seq, num_new_tokens, cached)` would take from the free pool."""
+        table = self.tables.get(seq.seq_id)
+        have = len(table) if table else len(cached)
+        computed = seq.num_computed_tokens if table else len(cached) * self.block_size
+        need = -(-(computed + num_new_tokens) // self.block_size) - have
+        if table and computed % self.block_size and self.gpu.ref_cnt[table[-1]] > 1:
+            need += 1                                   # copy-on-write of the shared last block
+        # Reviving a cached block with refcount 0 removes it from the free count.
+        revived = sum(1 for b in cached if self.gpu.ref_cnt[b] == 0) if cached else 0
+        return max(need, 0) + revived
+
+    def can_admit(self, num_blocks: int) -> bool:
+        """New work must leave the watermark free, so running sequences can still grow."""
+        return self.gpu.num_free - num_blocks >= self.watermark_blocks
+
+    # -- allocation ---------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Grow `seq`'s table to hold its computed tokens plus `num_new_tokens`.
+
+        `cached` (first allocation only) are prefix-cache hits from `find_cached_prefix`;
+        the caller has set seq.num_computed_tokens to cover them. Returns False and
+        changes nothing if the pool is short.
+        """
+        gpu, bs = self.gpu, self.block_size
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            if self.blocks_needed(seq, num_new_tokens, cached) > gpu.num_free:
+                return False
+            for b in cached:
+                gpu.hit(b)
+            table = self.tables[seq.seq_id] = list(cached)
+            self._num_registered[seq.seq_id] = len(cached)
+        computed = seq.num_computed_tokens
+        end = computed + num_new_tokens
+        need = -(-end // bs) - len(table)
+        cow = computed % bs != 0 and gpu.ref_cnt[table[-1]] > 1
+        if need + cow > gpu.num_free:
+            return False
+        if cow:
+            # The step writes into the middle of a block another table also holds.
+            src = table[-1]
+            dst = gpu.allocate(1)[0]
+            gpu.free((src,))
+            table[-1] = dst
+            self.pending_copies.append((src, dst))
+        if need > 0:
+            table.extend(gpu.allocate(need))
+        if self.enable_prefix_caching:
+            full = end // bs
+            registered = self._num_registered[seq.seq_id]
+            if full > registered:
+                hashes = self._extend_hashes(seq, full)
+                register = gpu.register
+                for i in range(registered, full):
+                    register(table[i], hashes[i])
+                self._num_registered[seq.seq_id] = full
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (refcount +1 each)."""
+        table = self.tables[parent.seq_id]
+        self.tables[child.seq_id] = list(table)
+        self.gpu.incref(table)
+        self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (GPU or swapped CPU); tail blocks become the first
+        eviction candidates. Idempotent."""
+        table = self.tables.pop(seq.seq_id, None)
+        if table is not None:
+            self.gpu.free(reversed(table))
+        cpu_table = self.cpu_tables.pop(seq.seq_id, None)
+        if cpu_table is not None:
+            self.cpu.free(reversed(cpu_table))
+        self._num_registered.pop(seq.seq_id, None)
+
+    def drain_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # -- swapping (whole sequence groups, all or nothing) ---------------------------------
+    @staticmethod
+    def _distinct_blocks(tables: list[list[int]]) -> int:
+        return len({b for t in tables for b in t})
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return self._distinct_blocks([self.tables.get(s.seq_id, ()) for s in seqs]) <= self.cpu.num_free
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        need = self._distinct_blocks([self.cpu_tables.get(s.seq_id, ()) for s in seqs])
+        return self.can_admit(need)
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move the group's blocks to the CPU pool; returns (gpu_block, cpu_block) copies."""
+        if not self.can_swap_out(seqs):
+            raise SwapSpaceExhaustedError(
+                f"CPU swap pool has {self.cpu.num_free} free blocks, group needs "
+                f"{self._distinct_blocks([self.tables.get(s.seq_id, ()) for s in seqs])}")
+        return self._move(seqs, self.tables, self.cpu_tables, self.gpu, self.cpu)
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring a swapped group back; returns (cpu_block, gpu_block) copies."""
+        mapping = self._move(seqs, self.cpu_tables, self.tables, self.cpu, self.gpu)
+        for s in seqs:
+            # Fresh GPU blocks are unpublished; the next allocate re-publishes them
+            # (skipping hashes another block already serves).
+            if s.seq_id in self.tables:
+                self._num_registered[s.seq_id] = 0
+        return mapping
+
+    @staticmethod
+    def _move(seqs, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool):
+        # Blocks shared inside the group stay shared on the other side.
+        mapping: dict[int, int] = {}
+        for s in seqs:
+            src = src_tables.pop(s.seq_id, None)
+            if src is None:
+                continue                       # a sequence with nothing cached yet
+            dst = []
+            for b in src:
+                d = mapping.get(b)
+                if d is None:
+                    d = mapping[b] = dst_pool.allocate(1)[0]
+                else:
+                    dst_pool.incref((d,))
+                dst.append(d)
+            dst_tables[s.seq_id] = dst
+            src_pool.free(reversed(src))
+        return list(mapping.items())
+
+    # -- introspection ------------------------------------------------------------------
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_gpu_blocks=self.gpu.num_blocks,
+            num_used_gpu_blocks=self.gpu.num_used,
+            num_cached_gpu_blocks=self.gpu.num_cached,
+            num_cpu_blocks=self.cpu.num_blocks,
+            num_used_cpu_blocks=self.cpu.num_used,
+            prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=self.prefix_hits,
+            num_evictions=self.gpu.num_evictions,
+        )

@@ -1,0 +1,53 @@
+"""Pluggable scheduling decisions, by name.
+
+Every CLI flag and sweep names policies through `REGISTRY`; `PolicySet.from_names`
+builds the bundle the core's Scheduler consumes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from core.policy_api import Evictor, PreemptionModePolicy, QueuePolicy, VictimPolicy
+from policies.eviction import FIFOEvictor, LFUEvictor, LRUEvictor
+from policies.preemption import (AutoMode, LeastComputedVictim, LowestPriorityVictim, NewestVictim,
+                                 RecomputeMode, SwapMode)
+from policies.queue import FCFSPolicy, PriorityPolicy, ShortestJobFirstPolicy
+
+REGISTRY: dict[str, dict[str, Callable[[], object]]] = {
+    "queue": {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "sjf": ShortestJobFirstPolicy},
+    "preemption": {"recompute": RecomputeMode, "swap": SwapMode, "auto": AutoMode},
+    "victim": {"newest": NewestVictim, "lowest-priority": LowestPriorityVictim,
+               "least-computed": LeastComputedVictim},
+    "eviction": {"lru": LRUEvictor, "lfu": LFUEvictor, "fifo": FIFOEvictor},
+}
+
+
+def make(kind: str, name: str):
+    try:
+        choices = REGISTRY[kind]
+    except KeyError:
+        raise ValueError(f"unknown policy kind {kind!r}; kinds: {', '.join(REGISTRY)}") from None
+    try:
+        return choices[name.lower()]()
+    except KeyError:
+        raise ValueError(f"unknown {kind} policy {name!r}; choose from: {', '.join(choices)}") from None
+
+
+@dataclass
+class PolicySet:
+    queue: QueuePolicy = field(default_factory=FCFSPolicy)
+    preemption: PreemptionModePolicy = field(default_factory=RecomputeMode)
+    victim: VictimPolicy = field(default_factory=NewestVictim)
+    eviction: Callable[[], Evictor] = LRUEvictor     # a factory: one evictor per pool
+
+    @classmethod
+    def from_names(cls, queue: str = "fcfs", preemption: str = "recompute", victim: str = "newest",
+                   eviction: str = "lru") -> "PolicySet":
+        make("eviction", eviction)   # validate the name now
+        return cls(queue=make("queue", queue), preemption=make("preemption", preemption),
+                   victim=make("victim", victim), eviction=REGISTRY["eviction"][eviction.lower()])
+
+    def describe(self) -> dict[str, str]:
+        return {"queue": self.queue.name, "preemption": self.preemption.name, "victim": self.victim.name,
+                "eviction": getattr(self.eviction, "name", str(self.eviction))}
