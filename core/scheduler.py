@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from core.beam_search import beam_step, finalize_beams
 from core.config import CacheConfig, SchedulerConfig
@@ -177,6 +178,7 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
         self._finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._prune_running()
         return True
 
     def finish_sequence(self, seq: Sequence, status: RequestStatus, detail: str | None = None) -> None:
@@ -228,19 +230,42 @@ class Scheduler:
         return len(self.swapped)
 
     # -- scheduling ----------------------------------------------------------------------
-    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+    def _prune_running(self) -> None:
         if self._running_dirty:
             self.running = [r for r in self.running if r.status is RUNNING]
             self._running_dirty = False
+
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        self._prune_running()
         out = SchedulerOutput()
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         budget = self.config.max_num_batched_tokens
         running = self.running
         preempted = False
 
+        bs = self.cache_config.block_size
+        ref = self.kv.gpu.ref_cnt
+        tables = self.kv.tables
+        scheduled = out.scheduled
+        decodes = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            seqs = request.seqs
+            if len(seqs) == 1 and not request.params.beam_width:
+                # Fast path: a single-sequence decode that neither needs a new block, nor
+                # fills one (nothing to publish), nor writes into a shared block.
+                seq = seqs[0]
+                c = seq.num_computed_tokens
+                if len(seq.token_ids) - c == 1 and c % bs and (c + 1) % bs:
+                    table = tables[seq.seq_id]
+                    if ref[table[-1]] == 1 and (request._forked or request.params.n == 1):
+                        scheduled.append(ScheduledSeq(seq, c, 1, 1, table))
+                        seq.num_computed_tokens = c + 1
+                        decodes += 1
+                        budget -= 1
+                        i += 1
+                        continue
             plan = self._plan(request, budget)
             if not plan:
                 i += 1
@@ -255,6 +280,7 @@ class Scheduler:
                 budget -= self._commit(request, plan, out)
                 i += 1
 
+        out.num_batched_tokens += decodes
         if not preempted:
             budget = self._swap_in(budget, out, now)
             if not self.swapped:
@@ -388,6 +414,28 @@ class Scheduler:
                 budget -= self._commit(request, plan, out)
         return budget
 
+    def _admission_plan(self, request: Request, budget: int):
+        """(plan, prefix hits per seq id, blocks needed) for admitting `request` now. Sets each
+        sequence's num_computed_tokens to its cached prefix; callers that do not admit reset it."""
+        kv, bs = self.kv, self.cache_config.block_size
+        hits = {}
+        for seq in request.seqs:        # several after a multi-sequence recompute
+            cached = kv.find_cached_prefix(seq)
+            seq.num_computed_tokens = len(cached) * bs
+            hits[seq.seq_id] = cached
+        if request.params.use_beam_search:
+            plan = self._plan_beams(request.seqs, budget)
+        else:
+            plan, left = [], budget
+            for seq in request.seqs:
+                n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, left)
+                if n == 0:
+                    break
+                plan.append((seq, n))
+                left -= n
+        need = sum(kv.blocks_needed(seq, n, hits[seq.seq_id]) for seq, n in plan)
+        return plan, hits, need
+
     def _admit(self, budget: int, out: SchedulerOutput, now: float) -> None:
         kv, cfg, bs = self.kv, self.config, self.cache_config.block_size
         waiting = self.waiting
@@ -396,27 +444,18 @@ class Scheduler:
             slots = request.params.num_seqs_max
             if self._seq_slots + slots > cfg.max_num_seqs:
                 break
-            # Prefix-cache hits per sequence (several after a multi-sequence recompute).
-            plan, hits, need, left = [], [], 0, budget
-            for seq in request.seqs:
-                cached = kv.find_cached_prefix(seq)
-                seq.num_computed_tokens = len(cached) * bs
-                n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, left)
-                if n == 0:
-                    seq.num_computed_tokens = 0
-                    break
-                plan.append((seq, n))
-                hits.append(cached)
-                need += kv.blocks_needed(seq, n, cached)
-                left -= n
-            if len(plan) < len(request.seqs) and request.params.use_beam_search:
-                plan = []                      # beams are admitted together or not at all
+            plan, hits, need = self._admission_plan(request, budget)
             if not plan or not kv.can_admit(need):
                 for seq in request.seqs:
                     seq.num_computed_tokens = 0
                 break
             waiting.pop()
-            for (seq, n), cached in zip(plan, hits):
+            planned = {seq.seq_id for seq, _ in plan}
+            for seq in request.seqs:
+                if seq.seq_id not in planned:
+                    seq.num_computed_tokens = 0    # no table yet: computes from scratch later
+            for seq, n in plan:
+                cached = hits[seq.seq_id]
                 ok = kv.allocate_slots(seq, n, cached)
                 assert ok, "admission allocation failed after a successful capacity check"
                 kv.record_prefix_query(len(seq.token_ids), len(cached) * bs)
@@ -429,7 +468,7 @@ class Scheduler:
             m = request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-                m.num_cached_prompt_tokens = len(hits[0]) * bs
+                m.num_cached_prompt_tokens = len(hits[request.seqs[0].seq_id]) * bs
             if m._queued_since is not None:
                 m.queue_time += max(0.0, now - m._queued_since)
             m._queued_since = None
@@ -443,6 +482,7 @@ class Scheduler:
         updated: list[Request] = []
         beam_batch: dict[int, list[ScheduledSeq]] = {}
         last_request = None
+        max_len = self.config.max_model_len
         for s in out.scheduled:
             if not s.num_samples:
                 continue
@@ -454,6 +494,22 @@ class Scheduler:
                 beam_batch.setdefault(id(request), []).append(s)
                 continue
             toks = token_ids[seq.seq_id]
+            if s.num_samples == 1 and top is None and logprobs is None:
+                # Common path: one token, no logprobs; stop checks inline.
+                tok = toks[0]
+                seq.token_ids.append(tok)
+                params = request.params
+                num_out = len(seq.token_ids) - seq.num_prompt_tokens
+                if (params.max_tokens is not None and num_out >= params.max_tokens) or \
+                        (tok == request.eos_token_id and not params.ignore_eos) or \
+                        tok in params.stop_token_ids or len(seq.token_ids) >= max_len:
+                    status = self.stop_status(seq, tok)
+                    if status is not None:
+                        self._finish_seq(seq, status)
+                if request is not last_request:
+                    updated.append(request)
+                    last_request = request
+                continue
             lps = logprobs.get(seq.seq_id) if logprobs is not None else None
             tops = top.get(seq.seq_id) if top is not None else None
             if s.num_samples > 1:
@@ -484,6 +540,7 @@ class Scheduler:
             m.last_token_time = now
             if not request.seqs and not request.is_finished:
                 self._finish_request(request, request.finished_seqs[-1].status)
+        self._prune_running()
         finished = self._finished
         for request in finished:
             if request.metrics.finished_time is None:
@@ -517,3 +574,137 @@ class Scheduler:
                 len(seq.token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    # -- event skipping (used by the simulator) ---------------------------------------------
+    def steady_decode_horizon(self) -> int:
+        """How many upcoming steps, run one by one, would each schedule exactly one decode
+        token for every running sequence with no admission, swap, preemption, copy-on-write
+        or finish. 0 when the engine is not in such a steady state. Call between steps.
+
+        Assumes (as the simulator guarantees) that a waiting prompt never contains the
+        tokens running sequences are generating, so new cache entries cannot unblock it.
+        """
+        running = self.running
+        if not running or self._finished:
+            return 0
+        cfg, kv, bs = self.config, self.kv, self.cache_config.block_size
+        ref = kv.gpu.ref_cnt
+        tables = kv.tables
+        horizon = cfg.max_model_len
+        num_seqs = 0
+        for request in running:
+            params = request.params
+            if params.beam_width or not params.ignore_eos or params.stop_token_ids or \
+                    (params.n > 1 and not request._forked):
+                return 0
+            for seq in request.seqs:
+                n = len(seq.token_ids)
+                c = seq.num_computed_tokens
+                if n - c != 1:
+                    return 0
+                if c % bs and ref[tables[seq.seq_id][-1]] > 1:
+                    return 0                          # the next step copies on write
+                left = cfg.max_model_len - n
+                if params.max_tokens is not None:
+                    left = min(left, params.max_tokens - (n - seq.num_prompt_tokens))
+                if left - 1 < horizon:
+                    horizon = left - 1                # the step that finishes is run normally
+                num_seqs += 1
+        if horizon <= 0 or num_seqs > cfg.max_num_batched_tokens:
+            return 0
+        if self.swapped and kv.can_swap_in(self.swapped[0].seqs):
+            return 0
+        if not self.swapped and len(self.waiting) and self._admissible(self.waiting.peek(), num_seqs):
+            return 0
+        # Largest k whose block growth fits the free pool (growth is monotone in k).
+        seqs = [seq for r in running for seq in r.seqs]
+        free = kv.gpu.num_free
+
+        def blocks_for(k: int) -> int:
+            return sum(-(-(s.num_computed_tokens + k) // bs) - len(tables[s.seq_id]) for s in seqs)
+
+        if blocks_for(horizon) <= free:
+            return horizon
+        lo, hi = 0, horizon                           # blocks_for(lo) fits, blocks_for(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if blocks_for(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _admissible(self, request: Request, num_running_seqs: int) -> bool:
+        """Would the next schedule() admit `request` (given the running batch)? No side effects
+        beyond caching block hashes."""
+        cfg, kv, bs = self.config, self.kv, self.cache_config.block_size
+        if self._seq_slots + request.params.num_seqs_max > cfg.max_num_seqs:
+            return False
+        left = cfg.max_num_batched_tokens - num_running_seqs
+        if left <= 0:
+            return False
+        plan, _, need = self._admission_plan(request, left)
+        for seq in request.seqs:
+            seq.num_computed_tokens = 0
+        return bool(plan) and kv.can_admit(need)
+
+    def steady_decode_shape(self) -> tuple[int, int]:
+        """(num_seqs, sum of cached tokens) of the next steady decode step."""
+        num, ctx = 0, 0
+        for request in self.running:
+            for seq in request.seqs:
+                num += 1
+                ctx += seq.num_computed_tokens
+        return num, ctx
+
+    def fast_forward(self, k: int, step_end_times: list[float],
+                     token_fn: Callable[[Sequence, int, int], list[int]]) -> StepResult:
+        """Apply k steady decode steps at once (k <= steady_decode_horizon()).
+
+        Blocks are allocated and published in exactly the order k single steps would use
+        (step by step, running order), so eviction and cache state match; per-token work
+        is a list extend. token_fn(seq, first_position, count) gives the sampled tokens.
+        """
+        if k <= 0:
+            return StepResult(updated=[], finished=[])
+        kv, bs = self.kv, self.cache_config.block_size
+        gpu, tables = kv.gpu, kv.tables
+        caching = kv.enable_prefix_caching
+        seqs = [seq for r in self.running for seq in r.seqs]
+        # Step j computes position c + j of each sequence: it needs a new block when that
+        # position starts one, and publishes a block when c + j + 1 fills one.
+        events: list[list[tuple[Sequence, bool]]] = [[] for _ in range(bs)]
+        for seq in seqs:
+            c = seq.num_computed_tokens
+            events[(-c) % bs].append((seq, True))
+            if caching:
+                events[(-c - 1) % bs].append((seq, False))
+        if caching:
+            order = {seq.seq_id: i for i, seq in enumerate(seqs)}
+            for ev in events:
+                ev.sort(key=lambda e: order[e[0].seq_id])
+        for seq in seqs:
+            n = len(seq.token_ids)
+            seq.token_ids.extend(token_fn(seq, n, k))
+        registered = kv._num_registered
+        for j in range(k):
+            for seq, is_alloc in events[j % bs]:
+                table = tables[seq.seq_id]
+                if is_alloc:
+                    table.extend(gpu.allocate(1))
+                else:
+                    full = (seq.num_computed_tokens + j + 1) // bs
+                    hashes = kv._extend_hashes(seq, full)
+                    for i in range(registered[seq.seq_id], full):
+                        gpu.register(table[i], hashes[i])
+                    registered[seq.seq_id] = full
+        for seq in seqs:
+            seq.num_computed_tokens += k
+        times = step_end_times[:k]
+        last = times[-1]
+        for request in self.running:
+            m = request.metrics
+            m.token_times.extend(times)
+            m.last_token_time = last
+        self.num_steps += k
+        return StepResult(updated=list(self.running), finished=[])
