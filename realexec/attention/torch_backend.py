@@ -1,0 +1,123 @@
+"""Paged attention in plain torch: the reference backend, runs on any device.
+
+Every layer call (1) scatters the step's new K/V rows into the paged cache at
+`slot_mapping`, then (2) lets each sequence's new queries attend to its whole context,
+read back from the cache through its block table. Reading everything through the cache
+makes prefills, chunked prefills, prefix-cache hits and decodes one code path.
+
+- Decode rows (query length 1) are batched: gather the blocks of all decoding sequences
+  into a padded [N, max_len] view and run one masked SDPA call.
+- Other rows (prefills, prefill chunks) loop per sequence with SDPA: causal when the
+  sequence has no cached context, else an explicit mask with the context offset.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter new rows k, v [T, Hkv, D] into the caches at flat slots; slot -1 is skipped."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):   # padding rows present (a host sync; fine for the reference backend)
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[N, num_blocks] block ids -> the sequences' cache rows [N, num_blocks * block_size, Hkv, D]."""
+    ids = block_tables[:, :num_blocks]
+    n, nb = ids.shape
+    # index_select with int64 ids: much faster on CPU than advanced indexing with int32.
+    blocks = cache.index_select(0, ids.reshape(-1).long())      # [N * nb, block_size, Hkv, D]
+    return blocks.view(n, nb * cache.shape[1], *cache.shape[2:])
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D].
+
+        With k_cache None (a profiling run before the cache exists) every sequence must be
+        a whole prompt (seq_len == query_len); it attends to its own new K/V only.
+        """
+        if k_cache is None:
+            return self._per_sequence(q, k, v, None, None, md, scale, range(md.num_seqs))
+        write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+
+        if q.shape[0] == md.num_seqs and md.is_decode_only:   # every sequence has 1 query row
+            return self._decode(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                md.max_seq_len, md.block_size, scale)
+
+        out = torch.zeros_like(q)   # rows of no sequence (padding) stay 0
+        decode = [i for i, n in enumerate(md.query_lens_cpu) if n == 1]
+        others = [i for i, n in enumerate(md.query_lens_cpu) if n > 1]
+        if decode:
+            starts = list(accumulate(md.query_lens_cpu, initial=0))
+            rows = torch.tensor([starts[i] for i in decode], device=q.device)
+            seqs = torch.tensor(decode, device=q.device)
+            max_len = max(md.seq_lens_cpu[i] for i in decode)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, md.block_tables[seqs],
+                                     md.seq_lens[seqs], max_len, md.block_size, scale)
+        if others:
+            self._per_sequence(q, k, v, k_cache, v_cache, md, scale, others, out)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, block_size, scale):
+        """One query per sequence: q [N, Hq, D] against each sequence's first seq_len cache rows."""
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[-2]
+        num_blocks = max(1, -(-max_seq_len // block_size))
+        keys = gather_kv(k_cache, block_tables, num_blocks).transpose(1, 2).to(q.dtype)  # [N, Hkv, L, D]
+        values = gather_kv(v_cache, block_tables, num_blocks).transpose(1, 2).to(q.dtype)
+        # GQA without repeating K/V: the query heads sharing a kv head become that head's
+        # "query length" axis, since in decode they all see the same keys with the same mask.
+        qg = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        # clamp: a padding row (seq_len 0) attends to one junk key instead of producing NaN.
+        lens = seq_lens.clamp(min=1).to(torch.long)
+        mask = torch.arange(keys.shape[2], device=q.device)[None, :] < lens[:, None]
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+        return out.reshape(n, num_heads, head_dim)
+
+    @staticmethod
+    def _per_sequence(q, k, v, k_cache, v_cache, md, scale, seq_ids, out=None):
+        if out is None:
+            out = torch.zeros_like(q)
+        starts = list(accumulate(md.query_lens_cpu, initial=0))
+        gqa = q.shape[1] != k.shape[1]
+        for i in seq_ids:
+            q_len, seq_len = md.query_lens_cpu[i], md.seq_lens_cpu[i]
+            if q_len == 0 or seq_len == 0:      # padding
+                continue
+            s = starts[i]
+            context_len = seq_len - q_len
+            if k_cache is None:
+                assert context_len == 0, "no KV cache: only whole-prompt prefills are possible"
+                keys, values = k[s:s + q_len], v[s:s + q_len]
+            else:
+                num_blocks = -(-seq_len // md.block_size)
+                table = md.block_tables[i:i + 1]
+                keys = gather_kv(k_cache, table, num_blocks)[0, :seq_len].to(q.dtype)
+                values = gather_kv(v_cache, table, num_blocks)[0, :seq_len].to(q.dtype)
+            if context_len == 0:
+                mask, causal = None, True
+            else:  # query j sits at position context_len + j and sees keys 0..context_len + j
+                kpos = torch.arange(seq_len, device=q.device)
+                qpos = torch.arange(context_len, seq_len, device=q.device)
+                mask, causal = kpos[None, :] <= qpos[:, None], False
+            o = F.scaled_dot_product_attention(
+                q[s:s + q_len].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+            out[s:s + q_len] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,109 @@
+"""The model shape our executor needs, read from a Hugging Face config.json dict.
+
+Accepts both config layouts in the wild: transformers <5 (`rope_theta`, `rope_scaling`,
+`torch_dtype`) and transformers >=5 (`rope_parameters`, `dtype`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _first_id(value: Any) -> int | None:
+    """Token id fields may be an int, a list of ints, or null."""
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None, or a dict with "rope_type" in {"linear", "llama3"} and its parameters.
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool          # bias on q/k/v projections (Qwen2: always)
+    o_proj_bias: bool = False     # bias on the output projection (Llama: = attention_bias)
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # All eos ids (Llama 3 instruct has several); eos_token_id is the first.
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: torch.dtype = torch.float32
+    # Mistral v0.1 declares one; our attention ignores it, so it only matters past it.
+    sliding_window: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else {
+            "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+        }.get(d.get("model_type", ""), "LlamaForCausalLM")
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+
+        heads = d["num_attention_heads"]
+        rope_params = d.get("rope_parameters") or {}
+        if "rope_type" not in rope_params and isinstance(next(iter(rope_params.values()), None), dict):
+            raise NotImplementedError("per-layer-type rope_parameters are not supported")
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = d.get("rope_scaling") or (rope_params if rope_params else None)
+        if rope_scaling is not None:
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            rope_type = rope_scaling.pop("rope_type", rope_scaling.pop("type", "default"))
+            rope_scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope_scaling}
+
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
+            () if eos is None else (int(eos),))
+        dtype_name = d.get("torch_dtype") or d.get("dtype") or "float32"
+        attention_bias = bool(d.get("attention_bias", is_qwen2))
+        sliding = d.get("sliding_window") if d.get("use_sliding_window", not is_qwen2) else None
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            bos_token_id=_first_id(d.get("bos_token_id")),
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            eos_token_ids=eos_ids,
+            torch_dtype=_DTYPES.get(str(dtype_name).removeprefix("torch."), torch.float32),
+            sliding_window=sliding,
+        )

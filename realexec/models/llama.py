@@ -1,0 +1,208 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) on our paged attention.
+
+One flat batch per step: `input_ids`/`positions` are [T] (the new tokens of every
+scheduled sequence, concatenated); attention reads/writes the paged KV cache through
+`AttentionMetadata`. Projections are fused (qkv, gate+up); `load_weights` stacks the
+separate Hugging Face tensors into them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, get_attention_backend
+from .config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32, scale in the model dtype (same rounding as the HF reference).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band
+        # between them interpolated smoothly.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to max_position, computed once (fp32)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.register_buffer("cos_sin", self._table(), persistent=False)
+
+    def _table(self, device=None) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        freqs = torch.arange(self.max_position, dtype=torch.float32, device=device)[:, None] * inv_freq
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)    # [max_position, head_dim]
+
+    def reset_table(self) -> None:
+        """Recompute the table in place (after the module was materialized from meta)."""
+        self.cos_sin = self._table(self.cos_sin.device).to(self.cos_sin.dtype)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin[positions].to(dtype).chunk(2, dim=-1)   # [T, D/2] each
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by position; "rotate half" layout (HF Llama), not interleaved pairs."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.backend = backend
+
+    def forward(self, x, cos, sin, kv_cache: KVCache | None, md: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, md, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, kv_cache, md):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, md)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# HF checkpoint name -> (our fused parameter, shard index) for the stacked projections.
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_backend: str | object = "torch", max_position: int | None = None):
+        super().__init__()
+        self.config = cfg
+        backend = get_attention_backend(attn_backend) if isinstance(attn_backend, str) else attn_backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings,
+                                          cfg.rope_theta, cfg.rope_scaling)
+        # Tied models have no lm_head: logits use the embedding matrix.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final-norm hidden states [T, hidden]. kv_caches: one
+        (k_cache, v_cache) per layer, or None for a cache-less run over whole prompts."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_caches[i] if kv_caches is not None else None, attn_metadata)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (usually one row per sequence) -> fp32 logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors ("model.layers.0.self_attn.q_proj.weight", ...) into our
+        parameters; raises if any parameter (or fused shard) was left unset."""
+        params = dict(self.named_parameters())
+        expected = {name: 1 for name in params}
+        for name in params:
+            if ".qkv_proj." in name:
+                expected[name] = 3
+            elif ".gate_up_proj." in name:
+                expected[name] = 2
+        seen: dict[str, set] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            parts = name.split(".")
+            shard = None
+            if len(parts) >= 2 and parts[-2] in _STACKED:
+                fused, shard = _STACKED[parts[-2]]
+                name = ".".join(parts[:-2] + [fused, parts[-1]])
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+            dest = params[name]
+            if shard is not None:
+                dest = self._shard(dest, name, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            seen.setdefault(name, set()).add(shard)
+        missing = [n for n, count in expected.items() if len(seen.get(n, ())) != count]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _shard(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
+        """The rows of a fused parameter that hold one stacked projection."""
+        cfg = self.config
+        if ".qkv_proj." in name:
+            sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        else:
+            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        return param.split(sizes, dim=0)[shard]
+
