@@ -704,6 +704,8 @@ class Scheduler:
         last = times[-1]
         for request in self.running:
             m = request.metrics
+            if m.first_token_time is None:        # the span's first step ended a prefill
+                m.first_token_time = times[0]
             m.token_times.extend(times)
             m.last_token_time = last
         self.num_steps += k

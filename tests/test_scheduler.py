@@ -7,7 +7,7 @@ outputs of an unpreempted run; budgets, FCFS order and liveness are checked too.
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, strategies as st
+from hypothesis import event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
@@ -41,7 +41,7 @@ def solo_beam_result(prompt, params):
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
-        max_num_seqs=st.integers(1, 8), budget=st.integers(4, 48), extra_blocks=st.integers(0, 24),
+        max_num_seqs=st.integers(1, 8), budget=st.integers(4, 48), extra_blocks=st.integers(0, 10),
         num_cpu=st.integers(0, 24), chunked=st.booleans(), caching=st.booleans(),
         preemption=st.sampled_from(["recompute", "swap", "auto"]), queue=st.sampled_from(["fcfs", "priority"]),
         victim=st.sampled_from(["newest", "lowest-priority", "least-computed"]),
@@ -76,7 +76,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.engine.add_request(req)
         self.requests[req.request_id] = req
 
-    @precondition(lambda self: self.requests)
     @rule()
     def step(self):
         result = self.engine.step()
@@ -273,3 +272,65 @@ def test_beam_search_returns_ranked_beams():
     scores = [beam_score(s, 1.0) for s in beams]
     assert scores == sorted(scores, reverse=True)
     assert sched.kv.gpu.num_used == 0
+
+
+# -- event skipping: fast_forward must be indistinguishable from single steps ----------------
+
+def _drive(workload, fast: bool, caching: bool, blocks: int):
+    from tests.toy_executor import next_token
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48),
+                      CacheConfig(block_size=4, num_gpu_blocks=blocks, enable_prefix_caching=caching, watermark=0.0),
+                      PolicySet())
+    ex = ToyExecutor()
+
+    def token_fn(seq, pos, count):
+        hist = seq.token_ids[:pos]
+        out = []
+        for _ in range(count):
+            t = next_token(hist)
+            hist.append(t)
+            out.append(t)
+        return out
+
+    arrivals = sorted(workload, key=lambda w: w[0])
+    reqs, t, i, skipped = [], 0, 0, 0
+    while i < len(arrivals) or sched.has_unfinished_requests():
+        while i < len(arrivals) and arrivals[i][0] <= t:
+            step, prompt, max_tokens, n = arrivals[i]
+            reqs.append(sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, n=n,
+                                                                                  ignore_eos=True),
+                                                  arrival_time=float(step))))
+            i += 1
+        out = sched.schedule(float(t))
+        res = ex.execute_model(out)
+        t += 1
+        sched.update(out, res, float(t))
+        if fast:
+            k = sched.steady_decode_horizon()
+            if i < len(arrivals):
+                k = min(k, arrivals[i][0] - t)
+            if k > 0:
+                sched.fast_forward(k, [float(t + j + 1) for j in range(k)], token_fn)
+                t += k
+                skipped += k
+    assert sched.kv.gpu.num_used == 0
+    from core.metrics import RequestRecord
+    recs = [(RequestRecord.from_request(r), sorted(s.output_token_ids for s in r.finished_seqs)) for r in reqs]
+    return recs, skipped, sched.kv.stats()
+
+
+@given(workload=st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(0, 9), min_size=1, max_size=20),
+                                   st.integers(1, 30), st.sampled_from([1, 1, 2])), min_size=1, max_size=10),
+       caching=st.booleans(), blocks=st.integers(12, 40))
+@settings(max_examples=300 if not __import__("os").environ.get("CI") else 1000, deadline=None)
+def test_fast_forward_matches_single_steps(workload, caching, blocks):
+    slow, _, slow_stats = _drive(workload, fast=False, caching=caching, blocks=blocks)
+    fast, skipped, fast_stats = _drive(workload, fast=True, caching=caching, blocks=blocks)
+    assert fast == slow
+    assert fast_stats == slow_stats
+
+
+def test_fast_forward_actually_skips():
+    workload = [(0, [1, 2, 3], 30, 1), (0, [4, 5, 6, 7, 8], 25, 2)]
+    _, skipped, _ = _drive(workload, fast=True, caching=True, blocks=40)
+    assert skipped > 20
