@@ -56,11 +56,11 @@ def beam_step(request: Request, group: list["ScheduledSeq"], token_ids: dict, lo
 
     request._forked = True
     for seq in list(request.seqs):
-        kids = children.get(seq.seq_id)
-        if not kids:
-            kv.free(seq)                       # pruned beam: its private blocks go back
+        if seq.seq_id not in children:
+            kv.free(seq)                       # pruned beam: its private blocks go back first
             request.seqs.remove(seq)
-            continue
+    for seq in list(request.seqs):
+        kids = children[seq.seq_id]
         for tok, lp in kids[1:]:
             child = seq.fork()
             kv.fork(seq, child)

@@ -238,7 +238,36 @@ class KVCacheManager:
             src_pool.free(reversed(src))
         return list(mapping.items())
 
+    def worst_case_blocks(self, request, max_model_len: int) -> int:
+        """Blocks the request could hold at once if it ran alone to its end (no sharing)."""
+        max_tokens = request.params.max_tokens
+        longest = max_model_len if max_tokens is None else min(request.num_prompt_tokens + max_tokens, max_model_len)
+        return request.params.num_seqs_max * -(-longest // self.block_size)
+
+    def release_request(self, request) -> None:
+        """A request left the GPU (finished or recomputed): drop per-request state (none here)."""
+
     # -- introspection ------------------------------------------------------------------
+    def memory_breakdown(self, running, waiting_head=None) -> dict[str, int]:
+        """Where the GPU KV slots are now (the vLLM paper's Figure 2 categories), in slots.
+
+        Paged memory reserves nothing ahead and has no external fragmentation; its only
+        waste is the unfilled tail of each sequence's last block (counted once per block)."""
+        bs, tables = self.block_size, self.tables
+        fill: dict[int, int] = {}
+        for request in running:
+            for seq in request.seqs:
+                table = tables.get(seq.seq_id)
+                if table:
+                    last = table[-1]
+                    f = seq.num_computed_tokens - (len(table) - 1) * bs
+                    if f > fill.get(last, 0):
+                        fill[last] = f
+        internal = sum(bs - f for f in fill.values())
+        return {"token_states": self.gpu.num_used * bs - internal, "reserved": 0, "internal_frag": internal,
+                "external_frag": 0, "free": self.gpu.num_free * bs}
+
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id]
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 from core.beam_search import beam_step, finalize_beams
 from core.config import CacheConfig, SchedulerConfig
+from core.contiguous import ContiguousKVCacheManager
 from core.kv_cache_manager import KVCacheManager
 from core.policy_api import PolicyBundle
 from core.request import Request, RequestStatus, Sequence
@@ -111,13 +112,20 @@ class Scheduler:
         self.config = config
         self.cache_config = cache_config
         self.policies = policies
-        self.kv = KVCacheManager(
-            cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
-            enable_prefix_caching=cache_config.enable_prefix_caching,
-            evictor=policies.eviction() if cache_config.enable_prefix_caching else None,
-            watermark=cache_config.watermark,
-        )
+        reservation = getattr(policies, "reservation", None)
+        if reservation is None:        # paged allocation (the point of this project)
+            self.kv = KVCacheManager(
+                cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
+                enable_prefix_caching=cache_config.enable_prefix_caching,
+                evictor=policies.eviction() if cache_config.enable_prefix_caching else None,
+                watermark=cache_config.watermark,
+            )
+        else:                          # a contiguous-reservation baseline (Orca-*)
+            self.kv = ContiguousKVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks,
+                                               reservation, config.max_model_len)
         self.waiting = policies.queue.make_queue()
+        if hasattr(self.waiting, "bind"):
+            self.waiting.bind(self.kv)          # cache-aware orders (lpm) look up prefixes
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
@@ -158,11 +166,9 @@ class Scheduler:
         slots = request.params.num_seqs_max
         if slots > cfg.max_num_seqs:
             return f"request needs {slots} sequences; max_num_seqs is {cfg.max_num_seqs}"
-        max_tokens = request.params.max_tokens
-        longest = cfg.max_model_len if max_tokens is None else min(prompt_len + max_tokens, cfg.max_model_len)
-        worst = slots * -(-longest // bs)
+        worst = self.kv.worst_case_blocks(request, cfg.max_model_len)
         if worst > self.cache_config.num_gpu_blocks:
-            return (f"{slots} sequences of up to {longest} tokens need up to {worst} KV blocks; "
+            return (f"its {slots} sequence(s) may need up to {worst} KV blocks; "
                     f"the cache has {self.cache_config.num_gpu_blocks}")
         if -(-prompt_len // bs) > self.cache_config.num_gpu_blocks - self.kv.watermark_blocks:
             return f"prompt needs more KV blocks than the cache can admit"
@@ -204,6 +210,7 @@ class Scheduler:
             self._finish_seq(seq, status)
         if request.params.use_beam_search:
             finalize_beams(request)
+        self.kv.release_request(request)
         if was_holding_slots:
             self._seq_slots -= request.params.num_seqs_max
             if request.status is RUNNING:
@@ -388,11 +395,12 @@ class Scheduler:
             return
         # Recompute: drop the KV; tokens (prompt + generated so far) stay and are
         # prefilled again on readmission, where the prefix cache may serve some of them.
+        request.status = RequestStatus.WAITING
         for seq in request.seqs:
+            seq.status = RequestStatus.WAITING
             self.kv.free(seq)
             seq.num_computed_tokens = 0
-            seq.status = RequestStatus.WAITING
-        request.status = RequestStatus.WAITING
+        self.kv.release_request(request)
         self._seq_slots -= request.params.num_seqs_max
         request.metrics._queued_since = None   # stamped on readmission by the caller's clock
         self.waiting.add_preempted(request)
@@ -621,7 +629,7 @@ class Scheduler:
         free = kv.gpu.num_free
 
         def blocks_for(k: int) -> int:
-            return sum(-(-(s.num_computed_tokens + k) // bs) - len(tables[s.seq_id]) for s in seqs)
+            return sum(max(0, -(-(s.num_computed_tokens + k) // bs) - len(tables[s.seq_id])) for s in seqs)
 
         if blocks_for(horizon) <= free:
             return horizon
@@ -647,6 +655,11 @@ class Scheduler:
         for seq in request.seqs:
             seq.num_computed_tokens = 0
         return bool(plan) and kv.can_admit(need)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """KV slots by category now: token_states, reserved, internal_frag, external_frag, free."""
+        head = self.waiting.peek() if len(self.waiting) else None
+        return self.kv.memory_breakdown(self.running, head)
 
     def steady_decode_shape(self) -> tuple[int, int]:
         """(num_seqs, sum of cached tokens) of the next steady decode step."""
@@ -691,7 +704,8 @@ class Scheduler:
             for seq, is_alloc in events[j % bs]:
                 table = tables[seq.seq_id]
                 if is_alloc:
-                    table.extend(gpu.allocate(1))
+                    if len(table) * bs <= seq.num_computed_tokens + j:   # reservations may cover it
+                        table.extend(gpu.allocate(1))
                 else:
                     full = (seq.num_computed_tokens + j + 1) // bs
                     hashes = kv._extend_hashes(seq, full)

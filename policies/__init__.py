@@ -12,14 +12,17 @@ from core.policy_api import Evictor, PreemptionModePolicy, QueuePolicy, VictimPo
 from policies.eviction import FIFOEvictor, LFUEvictor, LRUEvictor
 from policies.preemption import (AutoMode, LeastComputedVictim, LowestPriorityVictim, NewestVictim,
                                  RecomputeMode, SwapMode)
-from policies.queue import FCFSPolicy, PriorityPolicy, ShortestJobFirstPolicy
+from policies.allocation import ALLOCATIONS
+from policies.queue import FCFSPolicy, LongestPrefixMatchPolicy, PriorityPolicy, ShortestJobFirstPolicy
 
 REGISTRY: dict[str, dict[str, Callable[[], object]]] = {
-    "queue": {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "sjf": ShortestJobFirstPolicy},
+    "queue": {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "sjf": ShortestJobFirstPolicy,
+              "lpm": LongestPrefixMatchPolicy},
     "preemption": {"recompute": RecomputeMode, "swap": SwapMode, "auto": AutoMode},
     "victim": {"newest": NewestVictim, "lowest-priority": LowestPriorityVictim,
                "least-computed": LeastComputedVictim},
     "eviction": {"lru": LRUEvictor, "lfu": LFUEvictor, "fifo": FIFOEvictor},
+    "allocation": ALLOCATIONS,
 }
 
 
@@ -40,14 +43,22 @@ class PolicySet:
     preemption: PreemptionModePolicy = field(default_factory=RecomputeMode)
     victim: VictimPolicy = field(default_factory=NewestVictim)
     eviction: Callable[[], Evictor] = LRUEvictor     # a factory: one evictor per pool
+    allocation: str = "paged"                        # or a contiguous baseline: orca-max/-pow2/-oracle
+
+    @property
+    def reservation(self):
+        """None for paged allocation; else the reservation rule the core's contiguous manager uses."""
+        return make("allocation", self.allocation)
 
     @classmethod
     def from_names(cls, queue: str = "fcfs", preemption: str = "recompute", victim: str = "newest",
-                   eviction: str = "lru") -> "PolicySet":
-        make("eviction", eviction)   # validate the name now
+                   eviction: str = "lru", allocation: str = "paged") -> "PolicySet":
+        make("eviction", eviction)   # validate the names now
+        make("allocation", allocation)
         return cls(queue=make("queue", queue), preemption=make("preemption", preemption),
-                   victim=make("victim", victim), eviction=REGISTRY["eviction"][eviction.lower()])
+                   victim=make("victim", victim), eviction=REGISTRY["eviction"][eviction.lower()],
+                   allocation=allocation.lower())
 
     def describe(self) -> dict[str, str]:
         return {"queue": self.queue.name, "preemption": self.preemption.name, "victim": self.victim.name,
-                "eviction": getattr(self.eviction, "name", str(self.eviction))}
+                "eviction": getattr(self.eviction, "name", str(self.eviction)), "allocation": self.allocation}

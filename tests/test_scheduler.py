@@ -20,9 +20,10 @@ EOS = 3
 
 
 def _pool_consistent(kv):
+    spares = [r for regions in getattr(kv, "_spares", {}).values() for r in regions]
     for pool, tables in ((kv.gpu, kv.tables), (kv.cpu, kv.cpu_tables)):
         holders = [0] * pool.num_blocks
-        for t in tables.values():
+        for t in list(tables.values()) + (spares if pool is kv.gpu else []):
             for b in t:
                 holders[b] += 1
         assert holders == pool.ref_cnt, f"{pool.name} refcounts differ from table membership"
@@ -43,19 +44,22 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         max_num_seqs=st.integers(1, 8), budget=st.integers(4, 48), extra_blocks=st.integers(0, 10),
         num_cpu=st.integers(0, 24), chunked=st.booleans(), caching=st.booleans(),
-        preemption=st.sampled_from(["recompute", "swap", "auto"]), queue=st.sampled_from(["fcfs", "priority"]),
+        preemption=st.sampled_from(["recompute", "swap", "auto"]),
+        queue=st.sampled_from(["fcfs", "priority", "sjf", "lpm"]),
         victim=st.sampled_from(["newest", "lowest-priority", "least-computed"]),
+        allocation=st.sampled_from(["paged", "paged", "paged", "orca-oracle", "orca-pow2", "orca-max"]),
     )
-    def setup(self, max_num_seqs, budget, extra_blocks, num_cpu, chunked, caching, preemption, queue, victim):
+    def setup(self, max_num_seqs, budget, extra_blocks, num_cpu, chunked, caching, preemption, queue, victim,
+              allocation):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
         self.cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=chunked)
         self.cache = CacheConfig(block_size=BS, num_gpu_blocks=MAX_MODEL_LEN // BS + extra_blocks,
                                  num_cpu_blocks=num_cpu, enable_prefix_caching=caching, watermark=0.0)
-        self.victim = victim
+        self.victim, self.queue = victim, queue
         self.sched = Scheduler(self.cfg, self.cache, PolicySet.from_names(queue=queue, preemption=preemption,
-                                                                          victim=victim))
+                                                                          victim=victim, allocation=allocation))
         self.executor = ToyExecutor()
         self.engine = EngineCore(self.sched, self.executor)
         self.requests: dict[str, Request] = {}
@@ -123,7 +127,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def fcfs_within_priority(self):
-        if not hasattr(self, "sched") or self.victim != "newest":
+        if not hasattr(self, "sched") or self.victim != "newest" or self.queue not in ("fcfs", "priority"):
             return
         by_priority: dict[int, list[int]] = {}
         for r in self.first_admitted:
@@ -141,11 +145,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sorted(ids) == sorted(self.requests), "a request was lost or reported twice"
         kv = self.sched.kv
         assert kv.gpu.num_used == 0 and kv.cpu.num_used == 0, "blocks leaked"
+        assert not getattr(kv, "_spares", None), "reserved regions leaked"
         assert not kv.tables and not kv.cpu_tables
         event(f"preempted={self.sched.num_preemptions > 0}")
         event(f"swapped={self.sched.num_swaps > 0}")
         event(f"prefix hits={kv.prefix_hits > 0}")
         event(f"beam={any(r.params.beam_width for r in self.finished)}")
+        event(f"allocation={self.sched.policies.allocation}")
         for req in self.finished:
             if req.request_id in self.aborted:
                 assert req.status is RequestStatus.FINISHED_ABORTED

@@ -1,0 +1,204 @@
+"""The pre-paging baselines of the vLLM paper (Orca-Max / Orca-Pow2 / Orca-Oracle).
+
+Each sequence reserves ONE contiguous region of the KV memory at admission, sized by a
+reservation rule, and keeps it until it finishes. Regions are placed first-fit over
+the same block-id space the paged manager uses, so reservation waste, internal
+fragmentation (reserved slots never used) and external fragmentation (free memory in
+gaps too small for the next request) are real, not assumed. There is no sharing:
+parallel samples and beams each get their own region, and a fork copies the parent's
+computed blocks into the child's region. No prefix caching and no swapping (the
+scheduler falls back to recompute, which these baselines never need: a region covers
+its sequence's whole life).
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+from core.block_pool import BlockPool, NoFreeBlocksError
+from core.kv_cache_manager import KVCacheManager
+from core.request import Request, RequestStatus, Sequence
+
+# How many token slots a sequence reserves, given its request.
+ReservationRule = Callable[[Request, int], int]   # (request, max_model_len) -> tokens
+
+
+class ContiguousBlockPool(BlockPool):
+    """Block ids handed out as contiguous runs, first fit; free runs merge back."""
+
+    def __init__(self, num_blocks: int, name: str = "gpu"):
+        super().__init__(num_blocks, None, name)
+        self._free.clear()
+        self._starts: list[int] = [0] if num_blocks else []   # sorted gap starts
+        self._ends: dict[int, int] = {0: num_blocks} if num_blocks else {}
+        self._num_free = num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def largest_gap(self) -> int:
+        return max((self._ends[s] - s for s in self._starts), default=0)
+
+    def fits(self, sizes: list[int]) -> bool:
+        """Would first-fit place all these runs (in order) right now?"""
+        gaps = [[s, self._ends[s]] for s in self._starts]
+        for n in sizes:
+            for g in gaps:
+                if g[1] - g[0] >= n:
+                    g[0] += n
+                    break
+            else:
+                return False
+        return True
+
+    def allocate(self, n: int) -> list[int]:
+        for i, s in enumerate(self._starts):
+            e = self._ends[s]
+            if e - s >= n:
+                del self._ends[s]
+                if e - s == n:
+                    del self._starts[i]
+                else:
+                    self._starts[i] = s + n
+                    self._ends[s + n] = e
+                for b in range(s, s + n):
+                    self.ref_cnt[b] = 1
+                self._num_free -= n
+                return list(range(s, s + n))
+        raise NoFreeBlocksError(f"{self.name} pool: no contiguous run of {n} blocks "
+                                f"({self._num_free} free, largest run {self.largest_gap()})")
+
+    def free(self, block_ids) -> None:
+        released = []
+        for b in block_ids:
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] < 0:
+                raise RuntimeError(f"{self.name} pool: double free of block {b}")
+            if self.ref_cnt[b] == 0:
+                released.append(b)
+        for b in sorted(released):
+            self._insert_gap(b, b + 1)
+        self._num_free += len(released)
+
+    def _insert_gap(self, s: int, e: int) -> None:
+        i = bisect.bisect_left(self._starts, s)
+        if i > 0 and self._ends[self._starts[i - 1]] == s:      # merge with the gap before
+            i -= 1
+            s = self._starts[i]
+            del self._starts[i]
+        if i < len(self._starts) and self._starts[i] == e:       # merge with the gap after
+            e2 = self._ends.pop(e)
+            del self._starts[i]
+            e = e2
+        self._starts.insert(i, s)
+        self._ends[s] = e
+
+
+class ContiguousKVCacheManager(KVCacheManager):
+    def __init__(self, block_size: int, num_gpu_blocks: int, reserve: ReservationRule, max_model_len: int):
+        super().__init__(block_size, num_gpu_blocks, 0, enable_prefix_caching=False, watermark=0.0)
+        self.gpu = ContiguousBlockPool(num_gpu_blocks)
+        self.reserve = reserve
+        self.max_model_len = max_model_len
+        self._spares: dict[str, list[list[int]]] = {}      # request id -> unused regions
+        self._pending_regions: list[int] = []               # set by blocks_needed for can_admit
+
+    def _region_blocks(self, request: Request) -> int:
+        tokens = min(max(self.reserve(request, self.max_model_len), 1), self.max_model_len)
+        return -(-tokens // self.block_size)
+
+    def worst_case_blocks(self, request: Request, max_model_len: int) -> int:
+        return request.params.num_seqs_max * self._region_blocks(request)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached=()) -> int:
+        table = self.tables.get(seq.seq_id)
+        if table is not None:
+            extra = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+            return max(extra, 0)
+        r = self._region_blocks(seq.request)
+        k = seq.request.params.num_seqs_max if not seq.request._forked else 1
+        self._pending_regions = [r] * k
+        return r * k
+
+    def can_admit(self, num_blocks: int) -> bool:
+        regions, self._pending_regions = self._pending_regions, []
+        if regions and sum(regions) == num_blocks:
+            return self.gpu.fits(regions)
+        return num_blocks <= self.gpu.num_free
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached=()) -> bool:
+        table = self.tables.get(seq.seq_id)
+        end = seq.num_computed_tokens + num_new_tokens
+        if table is not None:
+            return end <= len(table) * self.block_size     # a region never grows
+        request = seq.request
+        r = self._region_blocks(request)
+        k = request.params.num_seqs_max if not request._forked else 1
+        if r * self.block_size < end or not self.gpu.fits([r] * k):
+            return False
+        regions = [self.gpu.allocate(r) for _ in range(k)]
+        self.tables[seq.seq_id] = regions[0]
+        if k > 1:
+            self._spares.setdefault(request.request_id, []).extend(regions[1:])
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        spares = self._spares.get(parent.request.request_id)
+        if not spares:
+            raise NoFreeBlocksError(f"request {parent.request.request_id!r}: no reserved region left to fork into")
+        region = spares.pop()
+        src = self.tables[parent.seq_id]
+        used = -(-parent.num_computed_tokens // self.block_size)
+        self.pending_copies.extend(zip(src[:used], region[:used]))
+        self.tables[child.seq_id] = region
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        request = seq.request
+        if request.status is RequestStatus.RUNNING and seq.status is RequestStatus.RUNNING:
+            # A pruned beam: its region stays reserved for the request's next fork.
+            self._spares.setdefault(request.request_id, []).append(table)
+        else:
+            self.gpu.free(table)
+
+    def release_request(self, request: Request) -> None:
+        for region in self._spares.pop(request.request_id, []):
+            self.gpu.free(region)
+
+    def can_swap_out(self, seqs) -> bool:
+        return False
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        return []
+
+    def memory_breakdown(self, running: list[Request], waiting_head: Request | None) -> dict[str, int]:
+        bs = self.block_size
+        tokens = reserved = internal = 0
+        for request in running:
+            final = min(request.num_prompt_tokens + (request.params.max_tokens or self.max_model_len),
+                        self.max_model_len)
+            for seq in request.seqs:
+                table = self.tables.get(seq.seq_id)
+                if table is None:
+                    continue
+                slots = len(table) * bs
+                will_use = min(slots, final)
+                tokens += seq.num_computed_tokens
+                reserved += will_use - seq.num_computed_tokens
+                internal += slots - will_use
+            for region in self._spares.get(request.request_id, []):
+                slots = len(region) * bs
+                reserved += min(slots, final)
+                internal += slots - min(slots, final)
+        free = self.gpu.num_free * bs
+        external = 0
+        if waiting_head is not None:
+            need = self._region_blocks(waiting_head)
+            k = waiting_head.params.num_seqs_max
+            if self.gpu.num_free >= need * k and not self.gpu.fits([need] * k):
+                external = free          # free memory exists, but no gap can take the request
+        return {"token_states": tokens, "reserved": reserved, "internal_frag": internal,
+                "external_frag": external, "free": free - external}
