@@ -279,7 +279,7 @@ class Scheduler:
                 continue
             while not self._allocate(plan):
                 victim = self.policies.victim.select(running[i:])
-                self._preempt(victim, out)
+                self._preempt(victim, out, now)
                 preempted = True
                 if victim is request:
                     break
@@ -379,7 +379,7 @@ class Scheduler:
         out.num_batched_tokens += total
         return total
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
         self.running.remove(request)
         self.num_preemptions += 1
         request.metrics.num_preemptions += 1
@@ -402,7 +402,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
         self.kv.release_request(request)
         self._seq_slots -= request.params.num_seqs_max
-        request.metrics._queued_since = None   # stamped on readmission by the caller's clock
+        request.metrics._queued_since = now    # back in the queue: counts toward queue_time
         self.waiting.add_preempted(request)
 
     def _swap_in(self, budget: int, out: SchedulerOutput, now: float) -> int:
@@ -496,7 +496,7 @@ class Scheduler:
                 continue
             seq = s.seq
             request = seq.request
-            if request.status is not RUNNING or seq.is_finished:
+            if request.status is not RUNNING or seq.status is not RUNNING:
                 continue
             if request.params.beam_width:
                 beam_batch.setdefault(id(request), []).append(s)
@@ -700,7 +700,19 @@ class Scheduler:
             n = len(seq.token_ids)
             seq.token_ids.extend(token_fn(seq, n, k))
         registered = kv._num_registered
-        for j in range(k):
+        if not caching:
+            # Only allocations: one bulk allocate per step hands out the same ids, in the
+            # same order, as the per-sequence allocations of a single step.
+            for j in range(k):
+                needy = [tables[seq.seq_id] for seq, _ in events[j % bs]
+                         if len(tables[seq.seq_id]) * bs <= seq.num_computed_tokens + j]
+                if needy:
+                    for table, block in zip(needy, gpu.allocate(len(needy))):
+                        table.append(block)
+            k_done = k
+        else:
+            k_done = 0
+        for j in range(k_done, k):
             for seq, is_alloc in events[j % bs]:
                 table = tables[seq.seq_id]
                 if is_alloc:

@@ -277,6 +277,29 @@ class RooflineCostModel:
         per_step_fixed = first.allreduce_s + first.overhead_s
         return roofline + k * per_step_fixed
 
+    def decode_step_times(self, num_seqs: int, context_sum: int, k: int) -> list[float]:
+        """Each of k consecutive pure-decode steps: element j is
+        ``step_time(BatchShape.decode(num_seqs, context_sum + j * num_seqs))`` bit for bit
+        (the same float operations in the same order), without building the shapes.
+        For simulators that skip ahead but must stamp every step's end time exactly as
+        step-by-step runs would."""
+        if k <= 0:
+            return []
+        if num_seqs <= 0:
+            return [0.0] * k
+        n = num_seqs
+        fpp, spf, spb = self._flops_per_pair, self._s_per_flop, self._s_per_byte
+        wb, kvb = self._weight_bytes, self._kv_bytes
+        head_flops = self._flops_per_token * n + self._flops_per_seq * n   # flops() left to right
+        fixed_s = self._allreduce_s(n) + self.step_overhead_s
+        out = []
+        append = out.append
+        for ctx in range(context_sum, context_sum + k * n, n):
+            compute_s = (head_flops + fpp * (ctx + n)) * spf
+            memory_s = (wb + kvb * (ctx + 2 * n)) * spb
+            append((compute_s if compute_s >= memory_s else memory_s) + fixed_s)
+        return out
+
 
 def sum_decode_steps(cost_model: CostModel, num_seqs: int, context_sum: int, k: int) -> float:
     """k decode steps with any cost model: closed form when offered, else a loop."""

@@ -1,0 +1,111 @@
+"""Simulator speed: simulated output tokens per wall second, event skipping vs step by step.
+
+    python -m sim.bench [--quick] [--model Llama-3-8B --hardware H100] [--modes skip,step]
+
+Workloads:
+  (a) traces/sharegpt.json replayed to 10,000 requests (retime num_requests=10000);
+  (b) the Azure LLM inference trace 2023, conversation (19,366 requests, Vidur CSV) at
+      ../shared/traces/azure_conv_2023.vidur.csv, at its own arrival times.
+`--quick` uses 2,000 requests of each. Wall time covers `simulate()` (request creation,
+the core's schedule/update/fast_forward, the executor, the SimPy loop); trace loading
+and result files are timed separately ("summary s": build_summary on the records).
+Both modes must give identical per-request records; the table says so.
+
+The default deployment is Llama-3-8B on one H100, which serves both traces at their
+offered rates (the CLI's default, Llama-2-13B on an A100-40G, is overloaded by the
+Azure trace: a queue growing for an hour, and 416 prompts longer than its 4k context).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+from sim.engine import SimConfig, resolve, simulate
+from sim.results import build_summary
+from traces import load_trace, retime
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_TRACES = REPO.parent / "shared" / "traces"
+AZURE_CONV = SHARED_TRACES / "azure_conv_2023.vidur.csv"
+
+
+def workloads(quick: bool):
+    n_a = 2000 if quick else 10_000
+    yield f"(a) sharegpt x{n_a}", lambda: retime(load_trace(REPO / "traces" / "sharegpt.json"), num_requests=n_a)
+    if AZURE_CONV.exists():
+        limit = 2000 if quick else None
+        yield (f"(b) azure conv{' x2000' if quick else ''}", lambda: load_trace(AZURE_CONV, limit=limit))
+    else:
+        print(f"note: {AZURE_CONV} not found; skipping (b)", file=sys.stderr)
+
+
+def run_one(config: SimConfig, trace) -> tuple[object, float]:
+    gc.collect()
+    started = time.perf_counter()
+    result = simulate(resolve(config), trace)
+    return result, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2,000 requests per workload")
+    p.add_argument("--model", default="Llama-3-8B")
+    p.add_argument("--hardware", default="H100")
+    p.add_argument("--modes", default="skip,step", help="comma-separated: skip (event skipping), step")
+    p.add_argument("--profile", metavar="FILE", help="cProfile the event-skipping run of the last workload")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("skip", "step") for m in modes):
+        print("error: --modes takes skip and/or step", file=sys.stderr)
+        return 2
+    try:
+        base = SimConfig(model=args.model, hardware=args.hardware)
+        resolve(base)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    print(f"{args.model} on {args.hardware}; python {sys.version.split()[0]}")
+    header = (f"{'workload':<22} {'mode':<5} {'requests':>8} {'out tokens':>11} {'steps':>9} {'normal':>8} "
+              f"{'wall s':>7} {'out tok/s':>10} {'summary s':>9}  same records")
+    print(header)
+    print("-" * len(header))
+    for name, make in workloads(args.quick):
+        t0 = time.perf_counter()
+        trace = make()
+        load_s = time.perf_counter() - t0
+        reference = None
+        for mode in modes:
+            config = SimConfig(model=args.model, hardware=args.hardware, event_skipping=(mode == "skip"))
+            result, wall = run_one(config, trace)
+            t0 = time.perf_counter()
+            build_summary(result)
+            summary_s = time.perf_counter() - t0
+            out_tokens = sum(r.num_output_tokens for r in result.records)
+            same = ""
+            if reference is None:
+                reference = result
+            else:
+                same = "yes" if (result.records == reference.records
+                                 and result.time_weighted == reference.time_weighted) else "NO"
+            print(f"{name:<22} {mode:<5} {len(trace):>8,} {out_tokens:>11,} {result.num_steps:>9,} "
+                  f"{result.num_normal_steps:>8,} {wall:>7.2f} {out_tokens / wall:>10,.0f} {summary_s:>9.2f}  {same}",
+                  flush=True)
+            del result
+        print(f"{'':<22} (trace load {load_s:.2f} s)")
+        if args.profile:
+            import cProfile
+            config = SimConfig(model=args.model, hardware=args.hardware, event_skipping=True)
+            cProfile.runctx("simulate(resolve(config), trace)", globals(), {"config": config, "trace": trace},
+                            filename=args.profile)
+    if args.profile:
+        import pstats
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

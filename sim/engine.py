@@ -1,0 +1,459 @@
+"""The SimPy driver: the core's scheduler and block manager, a simulated clock.
+
+One engine process loops the core step (schedule -> SimExecutor -> update) and yields
+the step's modelled duration; an arrival process walks the trace in simulated time and
+wakes the engine when it is idle. Nothing of the scheduling logic lives here: every
+decision is the core's (`core.Scheduler`, `core.KVCacheManager`, `policies`).
+
+Clock. The engine keeps its own float clock, advanced exactly as `clock + dt` per step,
+and uses SimPy only to pace processes. Requests enter the scheduler at step
+boundaries: an arrival at time t is added before the first `schedule()` at or after t
+(so equal timestamps never depend on SimPy's event order).
+
+Event skipping. After every normal step the engine asks the core for its steady-decode
+horizon h (steps that would each decode one token for every running sequence with no
+admission, swap, preemption, copy-on-write or finish). It runs k <= h of them in bulk
+with `Scheduler.fast_forward`, where k stops before the first step that would start at
+or after the next arrival. Per-step durations come from the same cost-model call the
+step-by-step mode makes, summed in the same order, so both modes produce identical
+per-request metrics and time-weighted statistics (tested).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+from itertools import chain
+from dataclasses import asdict, dataclass, field
+
+import simpy
+
+from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
+                  SchedulerConfig, SchedulerOutput)
+from core.metrics import RequestRecord
+from policies import PolicySet
+from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
+from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
+from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
+from traces import HashedBlockTokens, Trace
+
+DEFAULT_MODEL = "Llama-2-13B"
+DEFAULT_HARDWARE = "A100-40G"
+# Synthetic prompts (traces without token ids): request i's prompt is the id
+# PROMPT_ID_BASE + i followed by 1, 2, 3, ... Chained block hashes cover everything
+# before a block, so a unique first token makes every block of the prompt unique
+# (no false prefix-cache hits); the shared tail is a slice of one list of small ints,
+# so building a prompt costs no per-token Python work. Never the EOS id (0).
+PROMPT_ID_BASE = 1 << 24
+_PROMPT_TAIL: list[int] = []
+_REJECTED = RequestStatus.FINISHED_REJECTED
+_EMPTY_RESULT = ModelRunnerOutput(token_ids={})
+
+
+@dataclass
+class SimConfig:
+    """Everything that defines a simulated deployment (the trace is separate)."""
+    model: str = DEFAULT_MODEL
+    hardware: str = DEFAULT_HARDWARE
+    tp: int = 1
+    num_gpu_blocks: int | None = None          # None: from kv_cache_capacity_blocks
+    gpu_memory_utilization: float = 0.9
+    swap_space_gib: float = 4.0                # CPU swap pool per GPU (vLLM's --swap-space)
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048, or max(2048, max_model_len) unchunked
+    max_model_len: int | None = None           # None: the model's, capped at what the cache holds
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    queue: str = "fcfs"
+    preemption: str = "recompute"
+    victim: str = "newest"
+    eviction: str = "lru"
+    n: int = 1
+    beam_width: int = 0
+    seed: int = 0
+    event_skipping: bool = True
+
+
+@dataclass
+class ResolvedConfig:
+    """A SimConfig with every derived number filled in (what a run actually used)."""
+    config: SimConfig
+    model: ModelSpec
+    hardware: HardwareSpec
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    block_bytes: int
+
+    def policies(self) -> PolicySet:
+        c = self.config
+        return PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction)
+
+    def echo(self) -> dict:
+        """The configuration as it ran (for summary.json)."""
+        c = asdict(self.config)
+        c.update(model=self.model.name, hardware=self.hardware.name,
+                 num_gpu_blocks=self.cache.num_gpu_blocks, num_cpu_blocks=self.cache.num_cpu_blocks,
+                 max_model_len=self.scheduler.max_model_len,
+                 max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+                 kv_block_bytes=self.block_bytes)
+        return c
+
+
+def resolve(config: SimConfig) -> ResolvedConfig:
+    """Look up specs and size the KV cache; raises ValueError on any bad setting."""
+    c = config
+    for name in ("tp", "block_size", "max_num_seqs"):
+        if getattr(c, name) < 1:
+            raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
+    if c.n < 1:
+        raise ValueError(f"n must be >= 1, got {c.n}")
+    if c.beam_width < 0:
+        raise ValueError(f"beam-width must be >= 0, got {c.beam_width}")
+    if c.beam_width and c.n != 1:
+        raise ValueError("beam search returns beam-width sequences; use --n 1 with --beam-width")
+    if not c.swap_space_gib >= 0:
+        raise ValueError(f"swap-space-gib must be >= 0, got {c.swap_space_gib}")
+    if c.max_num_batched_tokens is not None and c.max_num_batched_tokens < 1:
+        raise ValueError(f"max-num-batched-tokens must be >= 1, got {c.max_num_batched_tokens}")
+    if c.max_model_len is not None and c.max_model_len < 2:
+        raise ValueError(f"max-model-len must be >= 2, got {c.max_model_len}")
+    model, hw = get_model(c.model), get_hardware(c.hardware)
+    PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction)
+    RooflineCostModel(model, hw, c.tp)         # validates tp against the model's heads
+
+    if c.max_model_len is not None and c.max_model_len > model.max_model_len:
+        raise ValueError(f"max-model-len {c.max_model_len} exceeds {model.name}'s context of "
+                         f"{model.max_model_len} tokens")
+    want_len = c.max_model_len or model.max_model_len
+    batched = c.max_num_batched_tokens
+    if batched is None:
+        batched = 2048 if c.enable_chunked_prefill else max(2048, want_len)
+    if c.num_gpu_blocks is not None:
+        if c.num_gpu_blocks < 1:
+            raise ValueError(f"num-gpu-blocks must be >= 1, got {c.num_gpu_blocks}")
+        num_gpu_blocks = c.num_gpu_blocks
+    else:
+        num_gpu_blocks = kv_cache_capacity_blocks(model, hw, c.block_size, c.gpu_memory_utilization, c.tp,
+                                                  max_num_batched_tokens=batched)
+        if num_gpu_blocks < 1:
+            raise ValueError(f"{model.name} on {c.tp}x {hw.name} leaves no memory for the KV cache at "
+                             f"gpu-memory-utilization={c.gpu_memory_utilization}; raise tp or pick "
+                             f"larger hardware")
+    max_model_len = c.max_model_len or min(model.max_model_len, num_gpu_blocks * c.block_size)
+    if c.max_num_batched_tokens is None and not c.enable_chunked_prefill:
+        batched = max(2048, max_model_len)
+    block_bytes = kv_block_bytes(model, c.block_size, c.tp)
+    num_cpu_blocks = int(c.swap_space_gib * GiB) // block_bytes
+    sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched,
+                            max_model_len=max_model_len, enable_chunked_prefill=c.enable_chunked_prefill)
+    cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                        enable_prefix_caching=c.enable_prefix_caching)
+    cache.validate()
+    sched.validate(cache)
+    return ResolvedConfig(c, model, hw, sched, cache, block_bytes)
+
+
+@dataclass
+class SimResult:
+    """What one run produced (written out by `sim.results`)."""
+    config: ResolvedConfig
+    trace_source: str
+    records: list[RequestRecord]           # trace order
+    requested_output_lens: list[int]       # max_tokens per request, trace order
+    sim_time: float                        # clock when the last request left
+    num_steps: int                         # engine iterations (skipped ones included)
+    num_normal_steps: int                  # iterations run one by one (mode-dependent)
+    num_preemptions: int
+    num_swaps: int
+    swap_time: float                       # seconds of PCIe copies charged (in the sim time)
+    num_swapped_blocks: int                # blocks copied out + in
+    kv_stats: dict
+    time_weighted: dict                    # kv_usage_mean/max, running/waiting/swapped means
+    timeseries: list[tuple] = field(repr=False, default_factory=list)
+
+    TIMESERIES_COLUMNS = ("time", "duration", "steps", "kv_usage", "running", "waiting", "swapped",
+                          "batch_size", "batch_tokens", "preempted")
+
+
+def _synthetic_prompt(index: int, length: int) -> list[int]:
+    tail = _PROMPT_TAIL
+    if len(tail) < length:
+        tail.extend(range(len(tail) + 1, 2 * length + 1))
+    prompt = [PROMPT_ID_BASE + index]
+    prompt += tail[:length - 1]
+    return prompt
+
+
+class SimEngine:
+    """Runs one trace through the core scheduler on a simulated clock."""
+
+    def __init__(self, resolved: ResolvedConfig, trace: Trace, *, progress: bool = False):
+        self.resolved = resolved
+        cfg = resolved.config
+        self.trace = trace
+        self.scheduler = Scheduler(resolved.scheduler, resolved.cache, resolved.policies())
+        cost_model = RooflineCostModel(resolved.model, resolved.hardware, cfg.tp)
+        self.executor = SimExecutor(cost_model, resolved.block_bytes, seed=cfg.seed)
+        self.executor.fast_tokens = cfg.n == 1 and not cfg.beam_width
+        self.event_skipping = cfg.event_skipping
+        self.progress = progress
+        self.env = simpy.Environment()
+        n = len(trace.requests)
+        self.arrivals = [r.arrival_time for r in trace.requests]
+        self.records: list[RequestRecord | None] = [None] * n
+        self.max_tokens = [max(1, r.output_len) for r in trace.requests]
+        self._next = 0                 # trace index of the next request to enter the scheduler
+        self._released = 0             # arrivals the arrival process has reached (SimPy time)
+        self._wake: simpy.Event | None = None
+        self._params: dict[int, SamplingParams] = {}
+        # time-weighted accumulators (sum of value * duration, in step order)
+        self._w_used = self._w_running = self._w_waiting = self._w_swapped = 0.0
+        self._max_used = 0
+        self.timeseries: list[tuple] = []
+        self.num_steps = 0
+        self.num_normal_steps = 0
+        self.clock = 0.0
+        self._pbar = None
+
+    # -- requests ---------------------------------------------------------------------------
+    def _make_request(self, i: int) -> Request:
+        tr = self.trace.requests[i]
+        cfg = self.resolved.config
+        max_tokens = self.max_tokens[i]
+        params = self._params.get(max_tokens)
+        if params is None:
+            params = self._params[max_tokens] = SamplingParams(
+                n=cfg.n, beam_width=cfg.beam_width, max_tokens=max_tokens, ignore_eos=True)
+        ids = tr.prompt_token_ids
+        if ids is not None and len(ids):
+            prompt = list(chain.from_iterable(ids.blocks())) if isinstance(ids, HashedBlockTokens) else ids
+        else:
+            prompt = _synthetic_prompt(i, max(1, tr.prompt_len))
+        return Request(tr.request_id, prompt, params, arrival_time=tr.arrival_time,
+                       eos_token_id=SIM_EOS_TOKEN_ID, user_data=i)
+
+    def _intake(self, clock: float) -> None:
+        """Add every request that has arrived by `clock` (trace order)."""
+        arrivals, sched, i, n = self.arrivals, self.scheduler, self._next, len(self.arrivals)
+        while i < n and arrivals[i] <= clock:
+            request = self._make_request(i)
+            if i == 0:
+                self.executor.seq_id_base = request.seqs[0].seq_id
+            sched.add_request(request)
+            if request.status is _REJECTED:
+                # Rejected on arrival: it never runs; it left the engine when it came.
+                request.metrics.finished_time = request.arrival_time
+                if self._record(request) and self._pbar is not None:
+                    self._pbar.update(1)
+            i += 1
+        self._next = i
+
+    def _record(self, request: Request) -> bool:
+        """Keep the request's record (once); True if it was new."""
+        i = request.user_data
+        if self.records[i] is not None:      # a rejection, already recorded on arrival
+            return False
+        rec = RequestRecord.from_request(request)
+        rec.token_times = array("d", rec.token_times)    # compact: runs keep every record
+        self.records[i] = rec
+        return True
+
+    def _finish(self, finished: list[Request]) -> None:
+        new = 0
+        for request in finished:
+            new += self._record(request)
+        if new and self._pbar is not None:
+            self._pbar.update(new)
+
+    # -- processes -------------------------------------------------------------------------
+    def _arrival_process(self):
+        """Walks the trace in simulated time; wakes the engine when it is idle."""
+        env, arrivals = self.env, self.arrivals
+        for i, t in enumerate(arrivals):
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            self._released = i + 1
+            wake = self._wake
+            if wake is not None and not wake.triggered:
+                wake.succeed()
+
+    def _account(self, dt: float, used: int, running: int, waiting: int, swapped: int) -> None:
+        self._w_used += used * dt
+        self._w_running += running * dt
+        self._w_waiting += waiting * dt
+        self._w_swapped += swapped * dt
+        if used > self._max_used:
+            self._max_used = used
+
+    def _idle_until(self, t: float):
+        """Wait (engine idle) until the arrival at trace time t."""
+        sched, clock = self.scheduler, self.clock
+        used = sched.kv.gpu.num_used
+        dt = t - clock
+        self._account(dt, used, len(sched.running), len(sched.waiting), len(sched.swapped))
+        self.timeseries.append((clock, dt, 0, used, len(sched.running), len(sched.waiting),
+                                len(sched.swapped), 0, 0, 0))
+        if self._released <= self._next:
+            self._wake = self.env.event()
+            yield self._wake
+            self._wake = None
+        self.clock = t
+
+    def _engine_process(self):
+        env, sched, ex = self.env, self.scheduler, self.executor
+        gpu = sched.kv.gpu
+        arrivals, n_total = self.arrivals, len(self.arrivals)
+        skipping = self.event_skipping
+        step_time, execute, update, schedule = ex.step_time, ex.execute_model, sched.update, sched.schedule
+        account, timeseries = self._account, self.timeseries
+        pbar = self._pbar
+        while True:
+            clock = self.clock
+            if self._next < n_total and arrivals[self._next] <= clock:
+                self._intake(clock)
+            if not sched.requests:
+                if self._next >= n_total:
+                    break
+                yield from self._idle_until(arrivals[self._next])
+                continue
+            out: SchedulerOutput = schedule(clock)   # stamps preempted requests' queue time itself
+            dt = step_time(out)
+            if dt <= 0.0:
+                # Nothing runnable now (should not happen with an empty-enough pool).
+                self._finish(update(out, _EMPTY_RESULT, clock).finished)
+                if sched.requests and self._next < n_total:
+                    yield from self._idle_until(arrivals[self._next])
+                    continue
+                if sched.requests:
+                    raise RuntimeError(f"the scheduler made no progress at t={clock:.6f} with "
+                                       f"{len(sched.requests)} unfinished requests")
+                continue
+            result = execute(out)
+            used = gpu.num_used
+            running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
+            account(dt, used, running, waiting, swapped)
+            timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
+                               out.num_batched_tokens, len(out.preempted)))
+            end = clock + dt
+            yield env.timeout(max(0.0, end - env.now))
+            self.clock = end
+            self.num_steps += 1
+            self.num_normal_steps += 1
+            self._finish(update(out, result, end).finished)
+            if skipping and sched.requests:
+                yield from self._skip()
+            if pbar is not None and not (self.num_normal_steps & 1023):
+                pbar.set_postfix_str(f"sim {self.clock:,.0f}s", refresh=False)
+
+    def _skip(self):
+        """Fast-forward through steady decode steps that start before the next arrival."""
+        sched = self.scheduler
+        horizon = sched.steady_decode_horizon()
+        if horizon <= 0:
+            return
+        t = start = self.clock
+        nxt = self._next
+        limit = self.arrivals[nxt] if nxt < len(self.arrivals) else math.inf
+        if limit <= t:
+            return
+        num_seqs, context_sum = sched.steady_decode_shape()
+        step_times = self.executor.decode_step_times
+        # Step times never shrink as contexts grow, so at most (limit - t) / d0 + 1 steps
+        # start before the arrival: price only those (the loop below extends if needed).
+        first = step_times(num_seqs, context_sum, 1)[0]
+        want = horizon if limit == math.inf else min(horizon, int((limit - t) / first) + 2)
+        durations = step_times(num_seqs, context_sum, want)
+        # KV usage per step: a sequence with c cached tokens takes a new block at the
+        # step that writes position c + i with (c + i) % block_size == 0.
+        bs = self.resolved.cache.block_size
+        starts = [0] * bs
+        for request in sched.running:
+            for seq in request.seqs:
+                starts[-seq.num_computed_tokens % bs] += 1
+        gpu = sched.kv.gpu
+        used = gpu.num_used
+        running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
+        w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
+        ends: list[float] = []
+        append = ends.append
+        i = 0
+        while True:
+            for dt in durations:
+                if t >= limit:
+                    break
+                used += starts[i % bs]
+                w_used += used * dt
+                w_run += running * dt
+                w_wait += waiting * dt
+                w_swap += swapped * dt
+                t = t + dt
+                append(t)
+                i += 1
+            else:
+                if i < horizon and t < limit:          # the estimate fell short: price more
+                    durations = step_times(num_seqs, context_sum + i * num_seqs, min(horizon - i, 64))
+                    continue
+            break
+        k = i
+        span_used = w_used - self._w_used
+        self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
+        if used > self._max_used:
+            self._max_used = used
+        span = t - start
+        self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs,
+                                num_seqs, 0))
+        result = sched.fast_forward(k, ends, self.executor.token_ids)
+        if gpu.num_used != used:
+            raise RuntimeError(f"event skipping: KV usage {gpu.num_used} after {k} steps, expected {used}")
+        yield self.env.timeout(max(0.0, t - self.env.now))
+        self.clock = t
+        self.num_steps += k
+        self._finish(result.finished)
+
+    # -- run --------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        n = len(self.arrivals)
+        if self.progress:
+            from tqdm import tqdm
+            self._pbar = tqdm(total=n, unit="req", file=sys.stderr, delay=0.5, mininterval=0.5,
+                              dynamic_ncols=True, desc="sim")
+        try:
+            self.env.process(self._arrival_process())
+            engine = self.env.process(self._engine_process())
+            self.env.run(until=engine)
+        finally:
+            if self._pbar is not None:
+                self._pbar.set_postfix_str(f"sim {self.clock:,.0f}s", refresh=False)
+                self._pbar.close()
+        lost = [self.trace.requests[i].request_id for i, r in enumerate(self.records) if r is None]
+        if lost:
+            raise RuntimeError(f"{len(lost)} requests never finished (first: {lost[:5]})")
+        sched = self.scheduler
+        stats = sched.kv.stats()
+        num_blocks = self.resolved.cache.num_gpu_blocks
+        total = self.clock
+        tw = {
+            "kv_usage_mean": self._w_used / (total * num_blocks) if total > 0 else 0.0,
+            "kv_usage_max": self._max_used / num_blocks,
+            "running_mean": self._w_running / total if total > 0 else 0.0,
+            "waiting_mean": self._w_waiting / total if total > 0 else 0.0,
+            "swapped_mean": self._w_swapped / total if total > 0 else 0.0,
+        }
+        kv = {
+            "num_gpu_blocks": stats.num_gpu_blocks,
+            "num_cpu_blocks": stats.num_cpu_blocks,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_cache_hit_rate": stats.prefix_hit_rate,
+            "num_evictions": stats.num_evictions,
+        }
+        return SimResult(self.resolved, self.trace.source, self.records, self.max_tokens, total, self.num_steps,
+                         self.num_normal_steps, sched.num_preemptions, sched.num_swaps, self.executor.swap_seconds,
+                         self.executor.num_swapped_blocks, kv, tw, self.timeseries)
+
+
+def simulate(config: SimConfig | ResolvedConfig, trace: Trace, *, progress: bool = False) -> SimResult:
+    """Run `trace` on the deployment `config` and return the result."""
+    resolved = config if isinstance(config, ResolvedConfig) else resolve(config)
+    return SimEngine(resolved, trace, progress=progress).run()

@@ -1,0 +1,136 @@
+"""Result files of a simulation run, and the summary table printed after it.
+
+    requests.csv     one row per request (Vidur's column names where they exist)
+    summary.json     aggregates (vLLM `bench serve` names) + KV/queue stats + config echo;
+                     no wall-clock numbers, so equal inputs give byte-identical files
+    timeseries.csv   one row per engine step (per skipped span with event skipping,
+                     per idle gap), see SimResult.TIMESERIES_COLUMNS
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from core.metrics import RequestRecord, summarize
+from sim.engine import SimResult
+
+REQUEST_COLUMNS = (
+    # Vidur (vidur/metrics/constants.py, entities/request.py)
+    "request_id", "arrived_at", "scheduled_at", "prefill_completed_at", "completed_at",
+    "request_num_prefill_tokens", "request_num_decode_tokens", "request_num_tokens",
+    "request_scheduling_delay", "prefill_e2e_time", "prefill_time_execution_plus_preemption",
+    "request_e2e_time", "request_e2e_time_normalized", "request_execution_plus_preemption_time",
+    "request_execution_time", "request_preemption_time", "decode_time_execution_plus_preemption_normalized",
+    "request_num_restarts",
+    # twinserve
+    "status", "num_output_tokens", "ttft", "tpot", "normalized_latency", "queue_time",
+    "num_cached_prompt_tokens", "num_swaps",
+)
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _div(a: float | None, b: float) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def request_row(rec: RequestRecord, requested_output: int) -> list:
+    """One requests.csv row. Execution vs preemption time: a request is 'executing'
+    from its first scheduling to its finish except while back in the waiting queue after
+    a recompute preemption (queue time after the first admission)."""
+    delay = _sub(rec.first_scheduled_time, rec.arrival_time)
+    exec_plus = _sub(rec.finished_time, rec.first_scheduled_time)
+    preempted = None if delay is None else max(0.0, rec.queue_time - delay)
+    return [
+        rec.request_id, rec.arrival_time, rec.first_scheduled_time, rec.first_token_time, rec.finished_time,
+        rec.num_prompt_tokens, requested_output, rec.num_prompt_tokens + requested_output,
+        delay, rec.ttft, _sub(rec.first_token_time, rec.first_scheduled_time),
+        rec.e2el, _div(rec.e2el, rec.num_output_tokens), exec_plus,
+        _sub(exec_plus, preempted), preempted,
+        _div(_sub(rec.finished_time, rec.first_token_time), rec.num_output_tokens),
+        rec.num_preemptions,
+        rec.status, rec.num_output_tokens, rec.ttft, rec.tpot, rec.normalized_latency, rec.queue_time,
+        rec.num_cached_prompt_tokens, rec.num_swaps,
+    ]
+
+
+def _clean(value):
+    """JSON-safe: NaN/inf -> None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def build_summary(result: SimResult) -> dict:
+    """summary.json's content: deterministic for equal inputs (no wall-clock times)."""
+    s = summarize(result.records)
+    s = {"num_requests": len(result.records), **s}
+    s["num_preemptions"] = result.num_preemptions      # the scheduler's count (= sum over requests)
+    s["num_swaps"] = result.num_swaps
+    s["num_swapped_blocks"] = result.num_swapped_blocks
+    s["swap_time"] = result.swap_time
+    s["sim_time"] = result.sim_time
+    s["num_steps"] = result.num_steps
+    s.update(result.kv_stats)
+    s.update(result.time_weighted)
+    s["trace"] = result.trace_source
+    s["config"] = result.config.echo()
+    return _clean(s)
+
+
+def write_results(result: SimResult, out_dir: str | Path) -> dict:
+    """Write requests.csv, summary.json and timeseries.csv; returns the summary."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = build_summary(result)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    with open(out / "requests.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(REQUEST_COLUMNS)
+        for rec, req_out in zip(result.records, result.requested_output_lens):
+            w.writerow(["" if v is None else v for v in request_row(rec, req_out)])
+    num_blocks = result.config.cache.num_gpu_blocks
+    with open(out / "timeseries.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(result.TIMESERIES_COLUMNS)
+        for row in result.timeseries:
+            w.writerow((row[0], row[1], row[2], row[3] / num_blocks) + row[4:])
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    """A short human-readable table of the key numbers."""
+    c = summary["config"]
+
+    def ms(key: str) -> str:
+        v = summary.get(key)
+        return "-" if v is None else f"{v * 1e3:,.1f}"
+
+    lines = [
+        f"{c['model']} on {c['tp']}x {c['hardware']}: {c['num_gpu_blocks']:,} KV blocks of {c['block_size']} "
+        f"tokens, max_num_seqs={c['max_num_seqs']}, max_num_batched_tokens={c['max_num_batched_tokens']}, "
+        f"policies {c['queue']}/{c['preemption']}/{c['victim']}"
+        f"{'/prefix-cache ' + c['eviction'] if c['enable_prefix_caching'] else ''}",
+        f"requests     {summary['completed']:,} completed, {summary['rejected']:,} rejected "
+        f"of {summary['num_requests']:,}; simulated {summary['sim_time']:,.1f} s in {summary['num_steps']:,} steps",
+        f"throughput   {summary['request_throughput']:,.2f} req/s, {summary['output_throughput']:,.0f} output tok/s, "
+        f"{summary['total_token_throughput']:,.0f} total tok/s",
+        f"{'':12} {'mean':>10} {'p50':>10} {'p90':>10} {'p99':>10}",
+    ]
+    for name, label in (("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("itl", "ITL ms"), ("e2el", "E2EL ms"),
+                        ("normalized_latency", "norm ms/tok")):
+        lines.append(f"{label:12} {ms('mean_' + name):>10} {ms('median_' + name):>10} "
+                     f"{ms('p90_' + name):>10} {ms('p99_' + name):>10}")
+    lines.append(
+        f"KV cache     usage mean {summary['kv_usage_mean']:.1%}, max {summary['kv_usage_max']:.1%}; "
+        f"preemptions {summary['num_preemptions']:,} (swaps {summary['num_swaps']:,}); "
+        f"prefix hit rate {summary['prefix_cache_hit_rate']:.1%}")
+    return "\n".join(lines)
