@@ -7,7 +7,6 @@ CPython. A free block is either *uncached* (in `_free`, handed out first) or *ca
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterable
 
 from core.policy_api import Evictor
@@ -25,7 +24,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_cnt: list[int] = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack (the most recently freed block is reused first); reversed so that a fresh
+        # pool hands out ids 0, 1, 2, ...
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         # evictor None = this pool never caches (e.g. the CPU swap pool, or caching off).
         self.evictor = evictor
         self.cached: dict[int, int] = {}          # prefix hash -> block id
@@ -49,17 +50,17 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise NoFreeBlocksError(f"{self.name} pool: need {n} blocks, {self.num_free} free")
-        out = []
         free, ref = self._free, self.ref_cnt
-        for _ in range(n):
-            if free:
-                b = free.popleft()
-            else:
-                b = self.evictor.pop()            # type: ignore[union-attr]
-                self._drop_hash(b)
-                self.num_evictions += 1
-            ref[b] = 1
+        take = min(n, len(free))
+        out = free[-take:][::-1] if take else []
+        del free[len(free) - take:]
+        for _ in range(n - take):                 # the rest comes from evicting cached blocks
+            b = self.evictor.pop()                # type: ignore[union-attr]
+            self._drop_hash(b)
+            self.num_evictions += 1
             out.append(b)
+        for b in out:
+            ref[b] = 1
         return out
 
     def incref(self, block_ids: Iterable[int]) -> None:
