@@ -1,4 +1,4 @@
-"""`python -m sim run TRACE ...` / `python -m sim sweep TRACE --rates ...` (see sim/cli.py)."""
+"""`python -m sim run|sweep|compare|sharing TRACE ...` (see sim/cli.py)."""
 import sys
 
 from sim.cli import main

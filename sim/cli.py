@@ -1,4 +1,5 @@
-"""`python -m sim run TRACE ...` and `python -m sim sweep TRACE --rates ...`.
+"""`python -m sim run TRACE ...`, `python -m sim sweep TRACE --rates ...`,
+`python -m sim compare TRACE --policies ... --rates ...` and `python -m sim sharing TRACE`.
 
 Bad input (unreadable or malformed trace, unknown model/hardware/policy, impossible
 cache sizing, bad flag values) prints `error: ...` on stderr and exits with status 2.
@@ -14,8 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from policies import REGISTRY
+from sim import compare
 from sim.engine import DEFAULT_HARDWARE, DEFAULT_MODEL, ResolvedConfig, SimConfig, resolve, simulate
 from sim.results import build_summary, format_summary, write_results
+from sim.workloads import apply_workload
 from sim.specs import HARDWARE, MODELS
 from traces import LOADERS, Trace, TraceError, load_trace
 
@@ -25,6 +28,7 @@ SWEEP_COLUMNS = (
     "p99_tpot", "mean_itl", "p99_itl", "mean_e2el", "median_e2el", "p99_e2el", "mean_normalized_latency",
     "median_normalized_latency", "p99_normalized_latency", "num_preemptions", "num_swaps",
     "prefix_cache_hit_rate", "kv_usage_mean", "kv_usage_max",
+    "token_states_share", "reserved_share", "internal_frag_share", "external_frag_share", "sharing_saving",
 )
 
 
@@ -106,6 +110,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                        ("eviction", "--eviction")):
         names = list(REGISTRY[kind])
         g.add_argument(flag, default=names[0], choices=names, help=f"(default: {names[0]})")
+    names = list(REGISTRY["allocation"])
+    g.add_argument("--allocation", default="paged", choices=names,
+                   help="KV allocation: paged blocks, or an Orca-style contiguous region per sequence reserved "
+                        "for max_model_len / the next power of two of / exactly its final length (no prefix "
+                        "caching, no swapping: swap preemption recomputes) (default: paged)")
     g = p.add_argument_group("workload")
     g.add_argument("--burstiness", type=_positive_float, metavar="B", default=1.0,
                    help="gamma shape of the gaps with --rate (1 = Poisson; default: 1)")
@@ -115,7 +124,19 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="first N requests (the trace is replayed if N is larger)")
     g.add_argument("--seed", type=int, metavar="S", default=0, help="arrival and beam-model seed (default: 0)")
     g.add_argument("--n", type=_positive_int, metavar="N", default=1, help="parallel samples per request (default: 1)")
-    g.add_argument("--beam-width", type=_nonneg_int, metavar="W", default=0, help="beam search width, 0 = off (default: 0)")
+    g.add_argument("--beam-width", type=_nonneg_int, metavar="W", default=0,
+                   help="beam search width, 0 = off; each beam draws 2W candidates with random log-probs, so "
+                        "which beams survive is random (seeded by --seed; see sim/workloads.py) (default: 0)")
+    g.add_argument("--shared-prefix-len", type=_nonneg_int, metavar="L", default=0,
+                   help="prepend one L-token system prompt (identical token ids) to every request / "
+                        "conversation (the paper used 80 and 341; default: 0 = off)")
+    g.add_argument("--multi-turn", action="store_true",
+                   help="group consecutive requests into conversations: a turn's prompt carries the previous "
+                        "turn's prompt + output; it arrives when that turn has finished (see sim/workloads.py)")
+    g.add_argument("--max-turns", type=_positive_int, metavar="K", default=4,
+                   help="--multi-turn: conversations of 2..K turns (default: 4)")
+    g.add_argument("--think-time", type=_nonneg_float, metavar="S", default=0.0,
+                   help="--multi-turn: seconds between a turn's finish and the next turn (default: 0)")
     g = p.add_argument_group("simulator")
     g.add_argument("--no-event-skipping", dest="event_skipping", action="store_false",
                    help="run every decode step one by one (slower; same results)")
@@ -127,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sim",
         description="Discrete-event simulation of paged-KV LLM serving: the twinserve core scheduler "
                     "and block manager on a simulated clock priced by a roofline cost model.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,sharing}")
     run = sub.add_parser("run", help="simulate one trace and write results",
                          description="Simulate one trace; writes requests.csv, summary.json and "
                                      "timeseries.csv to --out and prints a summary table.")
@@ -146,6 +167,41 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", default="results/sweep.csv", metavar="CSV", help="CSV table to write (default: %(default)s)")
     sweep.add_argument("--save-runs", default=None, metavar="DIR",
                        help="also write each run's result files under DIR/<rate>-<policy>/")
+
+    cmp = sub.add_parser("compare", help="compare policies over request rates: table, CSV, plots",
+                         description="Run the trace at each rate under each policy and print a comparison "
+                                     "table (throughput, normalized latency, TTFT, TPOT, preemptions, the KV "
+                                     "memory breakdown, prefix hit rate) and the highest rate each policy "
+                                     "sustains under a normalized-latency bound; write it as CSV.")
+    _add_common(cmp)
+    cmp.add_argument("--policies", action="append", required=True, metavar="VARIANTS",
+                     help="comma-separated policies: registry names (paged,orca-oracle,orca-pow2,orca-max), "
+                          "KIND=NAME items joined by '+' (allocation=orca-max, queue=sjf+preemption=swap), "
+                          "prefix-caching; the flags give everything a variant does not name (repeatable)")
+    cmp.add_argument("--rates", required=True, metavar="R1,R2,...", help="comma-separated request rates (req/s)")
+    cmp.add_argument("--latency-bound", type=_positive_float, metavar="S", default=None,
+                     help="normalized-latency bound (s/token) for the sustainable-rate table "
+                          "(default: 4x the lowest mean normalized latency in the grid)")
+    cmp.add_argument("--out", default="results/compare.csv", metavar="CSV", help="CSV to write (default: %(default)s)")
+    cmp.add_argument("--plot", default=None, metavar="DIR",
+                     help="write latency_vs_rate.png and memory_breakdown.png (at the highest rate) to DIR")
+    cmp.add_argument("--save-runs", default=None, metavar="DIR",
+                     help="also write each run's result files under DIR/rate<R>-<policy>/")
+
+    sh = sub.add_parser("sharing", help="KV memory saved by sharing: parallel sampling, beam search, shared prefix",
+                        description="Blocks saved by sharing = 1 - (GPU blocks in use) / (sum of block-table "
+                                    "lengths, i.e. the blocks the same sequences would hold without sharing), "
+                                    "time-integrated over each run; for a shared prefix also the throughput "
+                                    "with vs without prefix caching. Paged allocation.")
+    _add_common(sh)
+    sh.add_argument("--rate", type=_positive_float, metavar="R", default=None,
+                    help="re-time arrivals to this rate (default: the trace's own times)")
+    sh.add_argument("--ns", default="2,4,6", metavar="N1,N2,...", help="parallel samples (default: %(default)s; '' = none)")
+    sh.add_argument("--beam-widths", default="2,4,6", metavar="W1,...", help="beam widths (default: %(default)s)")
+    sh.add_argument("--prefix-lens", default="80,341", metavar="L1,...",
+                    help="shared system prompt lengths (default: %(default)s)")
+    sh.add_argument("--out", default="results/sharing.csv", metavar="CSV", help="CSV to write (default: %(default)s)")
+    sh.add_argument("--plot", default=None, metavar="DIR", help="write sharing_savings.png to DIR")
     return parser
 
 
@@ -157,7 +213,7 @@ def _config(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_chunked_prefill=args.chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         queue=args.queue, preemption=args.preemption, victim=args.victim, eviction=args.eviction,
-        n=args.n, beam_width=args.beam_width, seed=args.seed, event_skipping=args.event_skipping)
+        allocation=args.allocation, n=args.n, beam_width=args.beam_width, seed=args.seed, event_skipping=args.event_skipping)
 
 
 def _resolve(config: SimConfig) -> ResolvedConfig:
@@ -167,7 +223,8 @@ def _resolve(config: SimConfig) -> ResolvedConfig:
         raise UsageError(str(e)) from None
 
 
-def _load(args: argparse.Namespace, rate: float | None) -> Trace:
+def _load(args: argparse.Namespace, rate: float | None, max_model_len: int | None = None,
+          shared_prefix_len: int | None = None) -> Trace:
     if rate is not None and args.time_scale is not None:
         raise UsageError("give --rate or --time-scale, not both")
     if args.burstiness != 1.0 and rate is None:
@@ -181,12 +238,19 @@ def _load(args: argparse.Namespace, rate: float | None) -> Trace:
         raise UsageError(f"{args.trace}: {e}") from None
     if not trace.requests:
         raise UsageError(f"{args.trace}: the trace has no requests")
-    return trace
+    if not args.multi_turn and (args.max_turns != 4 or args.think_time):
+        raise UsageError("--max-turns and --think-time need --multi-turn")
+    try:
+        return apply_workload(trace, shared_prefix_len=args.shared_prefix_len if shared_prefix_len is None
+                              else shared_prefix_len, multi_turn=args.multi_turn, max_turns=args.max_turns,
+                              think_time=args.think_time, seed=args.seed, max_model_len=max_model_len)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     resolved = _resolve(_config(args))
-    trace = _load(args, args.rate)
+    trace = _load(args, args.rate, resolved.scheduler.max_model_len)
     started = time.perf_counter()
     result = simulate(resolved, trace, progress=not args.quiet)
     wall = time.perf_counter() - started
@@ -197,27 +261,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def parse_policies(specs: list[str] | None) -> list[tuple[str, dict[str, str]]]:
-    """'queue=fcfs,queue=sjf+preemption=swap' -> [(label, {kind: name}), ...]."""
+    """'queue=fcfs,queue=sjf+preemption=swap,orca-max' -> [(label, overrides), ...] (sim.compare)."""
     if not specs:
         return [("", {})]
-    variants = []
-    for spec in specs:
-        for variant in spec.split(","):
-            variant = variant.strip()
-            if not variant:
-                continue
-            settings = {}
-            for item in variant.split("+"):
-                kind, sep, name = item.partition("=")
-                kind, name = kind.strip(), name.strip()
-                if not sep or kind not in REGISTRY:
-                    raise UsageError(f"--policies: expected KIND=NAME with KIND one of {', '.join(REGISTRY)}, "
-                                     f"got {item!r}")
-                if name.lower() not in REGISTRY[kind]:
-                    raise UsageError(f"--policies: unknown {kind} policy {name!r}; choose from: "
-                                     f"{', '.join(REGISTRY[kind])}")
-                settings[kind] = name.lower()
-            variants.append((variant, settings))
+    try:
+        variants = compare.parse_variants(specs)
+    except compare.VariantError as e:
+        raise UsageError(f"--policies: {e}") from None
     if not variants:
         raise UsageError("--policies: no policy variant given")
     return variants
@@ -240,7 +290,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     runs = []
     for label, settings in variants:
         runs.append((label, _resolve(replace(base, **settings))))
-    traces = {rate: _load(args, rate) for rate in rates}
+    traces = {rate: _load(args, rate, runs[0][1].scheduler.max_model_len) for rate in rates}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -256,6 +306,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         row = {"rate": rate, "policy": label or "/".join(
             f"{summary['config'][k]}" for k in ("queue", "preemption", "victim", "eviction"))}
         row.update({k: summary.get(k) for k in SWEEP_COLUMNS[2:]})
+        extra = compare.row_from_summary(summary, rate, row["policy"])
+        row.update({k: extra[k] for k in SWEEP_COLUMNS[-5:]})
         rows.append(row)
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS)
@@ -270,6 +322,93 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_csv(path: str | Path, columns, rows: list[dict]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    return out
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise UsageError(f"{flag}: values must be >= 1, got {text!r}")
+    return values
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    rates = parse_rates(args.rates)
+    variants = parse_policies(args.policies)
+    base = _config(args)
+    try:
+        configs = compare.variant_configs(base, variants)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    max_len = _resolve(configs[0][1]).scheduler.max_model_len
+    log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+
+    def save(rate, label, result):
+        if args.save_runs:
+            write_results(result, Path(args.save_runs) / f"rate{rate:g}-{label.replace('=', '_').replace('+', '-')}")
+
+    rows = compare.run_grid(base, variants, rates, lambda r: _load(args, r, max_len), on_run=save, progress=log)
+    out = _write_csv(args.out, compare.COMPARE_COLUMNS, rows)
+    print(compare.format_table(rows))
+    lat = [r["mean_normalized_latency"] for r in rows if r.get("mean_normalized_latency") is not None]
+    bound = args.latency_bound or (4 * min(lat) if lat else None)
+    if bound:
+        print()
+        print(compare.format_sustainable(rows, bound))
+    if args.plot:
+        from plots import figures
+        plot_dir = Path(args.plot)
+        top = max(rates)
+        figures.latency_vs_rate(rows, plot_dir / "latency_vs_rate.png",
+                                title=f"Normalized latency vs request rate ({configs[0][1].model})", bound=bound)
+        figures.memory_breakdown({r["policy"]: {c: r[f"{c}_share"] or 0.0 for c in figures.BREAKDOWN_ORDER}
+                                  for r in rows if r["rate"] == top}, plot_dir / "memory_breakdown.png",
+                                 title=f"KV memory in use, time-averaged ({top:g} req/s)")
+        print(f"plots in {plot_dir}/")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_sharing(args: argparse.Namespace) -> int:
+    if args.allocation != "paged":
+        raise UsageError("sharing measures paged allocation (orca-* regions share nothing); drop --allocation")
+    if args.n != 1 or args.beam_width or args.shared_prefix_len:
+        raise UsageError("sharing sets --n, --beam-width and --shared-prefix-len itself: use --ns, "
+                         "--beam-widths and --prefix-lens")
+    ns, widths, lens = _ints(args.ns, "--ns"), _ints(args.beam_widths, "--beam-widths"), \
+        _ints(args.prefix_lens, "--prefix-lens")
+    base = replace(_config(args), allocation="paged")
+    resolved = _resolve(base)
+    max_len = resolved.scheduler.max_model_len
+    trace = _load(args, args.rate, max_len)
+    log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+    try:
+        rows = compare.sharing_rows(base, trace, ns=ns, beam_widths=widths, prefix_lens=lens,
+                                    prefix_trace=lambda L: _load(args, args.rate, max_len, shared_prefix_len=L),
+                                    progress=log)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = _write_csv(args.out, compare.SHARING_COLUMNS, rows)
+    print(compare.format_sharing(rows))
+    if args.plot:
+        from plots import figures
+        figures.sharing_savings(rows, Path(args.plot) / "sharing_savings.png")
+        print(f"plots in {args.plot}/")
+    print(f"wrote {out}")
+    return 0
+
+
 def _fmt_ms(v) -> str:
     return "      -" if v is None else f"{v * 1e3:7.1f} ms"
 
@@ -278,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return cmd_run(args) if args.command == "run" else cmd_sweep(args)
+        return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "sharing": cmd_sharing}[args.command](args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

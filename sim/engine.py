@@ -8,18 +8,28 @@ decision is the core's (`core.Scheduler`, `core.KVCacheManager`, `policies`).
 Clock. The engine keeps its own float clock, advanced exactly as `clock + dt` per step,
 and uses SimPy only to pace processes. Requests enter the scheduler at step
 boundaries: an arrival at time t is added before the first `schedule()` at or after t
-(so equal timestamps never depend on SimPy's event order).
+(so equal timestamps never depend on SimPy's event order). A later turn of a
+conversation (`sim.workloads.ConversationTrace`) enters once its previous turn has
+finished: at max(its traced arrival, that finish + think time), with the previous
+turn's tokens prepended to its prompt.
+
+Memory. Each step's KV memory breakdown (token states / reservation / internal and
+external fragmentation / free, plus physical vs logical blocks for the sharing saving)
+is sampled from the core and weighted by the step's duration (`sim.memory`).
 
 Event skipping. After every normal step the engine asks the core for its steady-decode
 horizon h (steps that would each decode one token for every running sequence with no
 admission, swap, preemption, copy-on-write or finish). It runs k <= h of them in bulk
 with `Scheduler.fast_forward`, where k stops before the first step that would start at
 or after the next arrival. Per-step durations come from the same cost-model call the
-step-by-step mode makes, summed in the same order, so both modes produce identical
-per-request metrics and time-weighted statistics (tested).
+step-by-step mode makes, summed in the same order, and each skipped step's memory
+sample follows in closed form from the state before the span (`sim.memory.SpanModel`,
+checked against the core after the span), so both modes produce identical per-request
+metrics, time-weighted statistics and memory breakdowns (tested).
 """
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 from array import array
@@ -34,6 +44,7 @@ from core.metrics import RequestRecord
 from policies import PolicySet
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
+from sim.memory import MemoryAccumulator, SpanModel, sample as memory_sample
 from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
 from traces import HashedBlockTokens, Trace
 
@@ -69,6 +80,7 @@ class SimConfig:
     preemption: str = "recompute"
     victim: str = "newest"
     eviction: str = "lru"
+    allocation: str = "paged"                  # or a contiguous baseline: orca-max / orca-pow2 / orca-oracle
     n: int = 1
     beam_width: int = 0
     seed: int = 0
@@ -87,7 +99,8 @@ class ResolvedConfig:
 
     def policies(self) -> PolicySet:
         c = self.config
-        return PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction)
+        return PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction,
+                                    allocation=c.allocation)
 
     def echo(self) -> dict:
         """The configuration as it ran (for summary.json)."""
@@ -119,7 +132,11 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     if c.max_model_len is not None and c.max_model_len < 2:
         raise ValueError(f"max-model-len must be >= 2, got {c.max_model_len}")
     model, hw = get_model(c.model), get_hardware(c.hardware)
-    PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction)
+    PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction,
+                         allocation=c.allocation)
+    if c.allocation.lower() != "paged" and c.enable_prefix_caching:
+        raise ValueError(f"allocation {c.allocation} has no prefix cache (a contiguous region per sequence, "
+                         f"nothing shared): drop --enable-prefix-caching or use --allocation paged")
     RooflineCostModel(model, hw, c.tp)         # validates tp against the model's heads
 
     if c.max_model_len is not None and c.max_model_len > model.max_model_len:
@@ -171,12 +188,18 @@ class SimResult:
     kv_stats: dict
     time_weighted: dict                    # kv_usage_mean/max, running/waiting/swapped means
     timeseries: list[tuple] = field(repr=False, default_factory=list)
+    memory_breakdown: dict = field(default_factory=dict)   # sim.memory: Figure 2 shares, slot-seconds
+    kv_sharing: dict = field(default_factory=dict)         # sim.memory: physical vs logical blocks
 
+    # kv_usage: fraction of GPU blocks in use; the four breakdown columns: fraction of all
+    # KV slots (a span's or idle gap's time mean). Rows hold blocks/slots until written.
     TIMESERIES_COLUMNS = ("time", "duration", "steps", "kv_usage", "running", "waiting", "swapped",
-                          "batch_size", "batch_tokens", "preempted")
+                          "batch_size", "batch_tokens", "preempted",
+                          "token_states", "reserved", "internal_frag", "external_frag")
 
 
-def _synthetic_prompt(index: int, length: int) -> list[int]:
+def synthetic_prompt(index: int, length: int) -> list[int]:
+    """The prompt ids the simulator uses for trace request `index` when the trace has none."""
     tail = _PROMPT_TAIL
     if len(tail) < length:
         tail.extend(range(len(tail) + 1, 2 * length + 1))
@@ -207,9 +230,20 @@ class SimEngine:
         self._released = 0             # arrivals the arrival process has reached (SimPy time)
         self._wake: simpy.Event | None = None
         self._params: dict[int, SamplingParams] = {}
+        # Conversations (sim.workloads.ConversationTrace): a later turn enters when the
+        # previous one has finished; its prompt is built from that turn's tokens then.
+        parents = getattr(trace, "parents", None)
+        self._parents: list[int] | None = parents if parents and any(p >= 0 for p in parents) else None
+        self._think_time = float(getattr(trace, "think_time", 0.0))
+        self._has_next_turn = set(p for p in parents if p >= 0) if self._parents else set()
+        self._blocked: dict[int, int] = {}                     # unfinished turn -> next turn (arrived)
+        self._finished_turns: dict[int, tuple[float, list[int]]] = {}  # turn -> (finish time, tokens)
+        self._contexts: dict[int, list[int]] = {}             # next turn -> conversation so far
+        self._ready: list[tuple[float, int]] = []             # heap of (effective arrival, trace index)
         # time-weighted accumulators (sum of value * duration, in step order)
         self._w_used = self._w_running = self._w_waiting = self._w_swapped = 0.0
         self._max_used = 0
+        self.memory = MemoryAccumulator(resolved.cache.num_gpu_blocks, resolved.cache.block_size)
         self.timeseries: list[tuple] = []
         self.num_steps = 0
         self.num_normal_steps = 0
@@ -217,7 +251,7 @@ class SimEngine:
         self._pbar = None
 
     # -- requests ---------------------------------------------------------------------------
-    def _make_request(self, i: int) -> Request:
+    def _make_request(self, i: int, arrival: float | None = None, context: list[int] | None = None) -> Request:
         tr = self.trace.requests[i]
         cfg = self.resolved.config
         max_tokens = self.max_tokens[i]
@@ -229,25 +263,70 @@ class SimEngine:
         if ids is not None and len(ids):
             prompt = list(chain.from_iterable(ids.blocks())) if isinstance(ids, HashedBlockTokens) else ids
         else:
-            prompt = _synthetic_prompt(i, max(1, tr.prompt_len))
-        return Request(tr.request_id, prompt, params, arrival_time=tr.arrival_time,
+            prompt = synthetic_prompt(i, max(1, tr.prompt_len))
+        if context is not None:
+            prompt = context + prompt
+        return Request(tr.request_id, prompt, params, arrival_time=tr.arrival_time if arrival is None else arrival,
                        eos_token_id=SIM_EOS_TOKEN_ID, user_data=i)
 
     def _intake(self, clock: float) -> None:
-        """Add every request that has arrived by `clock` (trace order)."""
-        arrivals, sched, i, n = self.arrivals, self.scheduler, self._next, len(self.arrivals)
+        """Add every request that has arrived by `clock` (trace order; then conversation
+        turns that became ready, by effective arrival)."""
+        arrivals, i, n = self.arrivals, self._next, len(self.arrivals)
+        parents = self._parents
         while i < n and arrivals[i] <= clock:
-            request = self._make_request(i)
-            if i == 0:
-                self.executor.seq_id_base = request.seqs[0].seq_id
-            sched.add_request(request)
-            if request.status is _REJECTED:
-                # Rejected on arrival: it never runs; it left the engine when it came.
-                request.metrics.finished_time = request.arrival_time
-                if self._record(request) and self._pbar is not None:
-                    self._pbar.update(1)
+            if parents is not None and parents[i] >= 0:
+                self._turn_arrived(i)
+            else:
+                self._add(self._make_request(i))
             i += 1
         self._next = i
+        ready = self._ready
+        while ready and ready[0][0] <= clock:
+            t, i = heapq.heappop(ready)
+            self._add(self._make_request(i, t, self._contexts.pop(i)))
+
+    def _add(self, request: Request) -> None:
+        if request.user_data == 0:
+            self.executor.seq_id_base = request.seqs[0].seq_id
+        self.scheduler.add_request(request)
+        if request.status is _REJECTED:
+            # Rejected on arrival: it never runs; it left the engine when it came.
+            request.metrics.finished_time = request.arrival_time
+            self._finish([request])
+
+    # -- conversations ------------------------------------------------------------------------
+    def _turn_arrived(self, i: int) -> None:
+        """A later turn's traced arrival: it enters once its previous turn has finished."""
+        p = self._parents[i]
+        done = self._finished_turns.pop(p, None)
+        if done is None:
+            self._blocked[p] = i
+        else:
+            self._schedule_turn(i, *done)
+
+    def _schedule_turn(self, i: int, prev_finish: float, context: list[int]) -> None:
+        self._contexts[i] = context
+        heapq.heappush(self._ready, (max(self.arrivals[i], prev_finish + self._think_time), i))
+
+    def _turn_finished(self, request: Request) -> None:
+        """Keep a finished turn's tokens (prompt + output of its first returned sequence:
+        the best beam, or the first sample to finish) for the conversation's next turn."""
+        i = request.user_data
+        seq = request.finished_seqs[0] if request.finished_seqs else request.seqs[0]
+        done = (request.metrics.finished_time, list(seq.token_ids))
+        nxt = self._blocked.pop(i, None)
+        if nxt is None:
+            self._finished_turns[i] = done
+        else:
+            self._schedule_turn(nxt, *done)
+
+    def _next_event(self) -> float:
+        """Time of the next arrival: traced, or a conversation turn becoming ready."""
+        t = self.arrivals[self._next] if self._next < len(self.arrivals) else math.inf
+        if self._ready and self._ready[0][0] < t:
+            t = self._ready[0][0]
+        return t
 
     def _record(self, request: Request) -> bool:
         """Keep the request's record (once); True if it was new."""
@@ -262,7 +341,10 @@ class SimEngine:
     def _finish(self, finished: list[Request]) -> None:
         new = 0
         for request in finished:
-            new += self._record(request)
+            if self._record(request):
+                new += 1
+                if request.user_data in self._has_next_turn:
+                    self._turn_finished(request)
         if new and self._pbar is not None:
             self._pbar.update(new)
 
@@ -287,17 +369,22 @@ class SimEngine:
             self._max_used = used
 
     def _idle_until(self, t: float):
-        """Wait (engine idle) until the arrival at trace time t."""
+        """Wait (engine idle) until the arrival at time t (`_next_event()`)."""
         sched, clock = self.scheduler, self.clock
         used = sched.kv.gpu.num_used
         dt = t - clock
         self._account(dt, used, len(sched.running), len(sched.waiting), len(sched.swapped))
+        mem = memory_sample(sched)
+        self.memory.add(dt, mem)
         self.timeseries.append((clock, dt, 0, used, len(sched.running), len(sched.waiting),
-                                len(sched.swapped), 0, 0, 0))
-        if self._released <= self._next:
-            self._wake = self.env.event()
-            yield self._wake
-            self._wake = None
+                                len(sched.swapped), 0, 0, 0, *mem[:4]))
+        if self._next < len(self.arrivals) and self.arrivals[self._next] <= t:
+            if self._released <= self._next:       # the arrival process has not reached it yet
+                self._wake = self.env.event()
+                yield self._wake
+                self._wake = None
+        else:                                      # a conversation turn becomes ready
+            yield self.env.timeout(max(0.0, t - self.env.now))
         self.clock = t
 
     def _engine_process(self):
@@ -307,23 +394,25 @@ class SimEngine:
         skipping = self.event_skipping
         step_time, execute, update, schedule = ex.step_time, ex.execute_model, sched.update, sched.schedule
         account, timeseries = self._account, self.timeseries
+        mem_add = self.memory.add
         pbar = self._pbar
+        ready = self._ready
         while True:
             clock = self.clock
-            if self._next < n_total and arrivals[self._next] <= clock:
+            if (self._next < n_total and arrivals[self._next] <= clock) or (ready and ready[0][0] <= clock):
                 self._intake(clock)
             if not sched.requests:
-                if self._next >= n_total:
+                if self._next >= n_total and not ready:
                     break
-                yield from self._idle_until(arrivals[self._next])
+                yield from self._idle_until(self._next_event())
                 continue
             out: SchedulerOutput = schedule(clock)   # stamps preempted requests' queue time itself
             dt = step_time(out)
             if dt <= 0.0:
                 # Nothing runnable now (should not happen with an empty-enough pool).
                 self._finish(update(out, _EMPTY_RESULT, clock).finished)
-                if sched.requests and self._next < n_total:
-                    yield from self._idle_until(arrivals[self._next])
+                if sched.requests and (self._next < n_total or ready):
+                    yield from self._idle_until(self._next_event())
                     continue
                 if sched.requests:
                     raise RuntimeError(f"the scheduler made no progress at t={clock:.6f} with "
@@ -333,8 +422,10 @@ class SimEngine:
             used = gpu.num_used
             running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
             account(dt, used, running, waiting, swapped)
+            mem = memory_sample(sched)                 # the state during the step
+            mem_add(dt, mem)
             timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
-                               out.num_batched_tokens, len(out.preempted)))
+                               out.num_batched_tokens, len(out.preempted), *mem[:4]))
             end = clock + dt
             yield env.timeout(max(0.0, end - env.now))
             self.clock = end
@@ -353,8 +444,7 @@ class SimEngine:
         if horizon <= 0:
             return
         t = start = self.clock
-        nxt = self._next
-        limit = self.arrivals[nxt] if nxt < len(self.arrivals) else math.inf
+        limit = self._next_event()
         if limit <= t:
             return
         num_seqs, context_sum = sched.steady_decode_shape()
@@ -364,15 +454,25 @@ class SimEngine:
         first = step_times(num_seqs, context_sum, 1)[0]
         want = horizon if limit == math.inf else min(horizon, int((limit - t) / first) + 2)
         durations = step_times(num_seqs, context_sum, want)
-        # KV usage per step: a sequence with c cached tokens takes a new block at the
-        # step that writes position c + i with (c + i) % block_size == 0.
+        # KV usage per step: a sequence with c cached tokens and a table of b blocks takes
+        # a new block at steps j0 = b * block_size - c, j0 + block_size, ... (paged: j0 < block
+        # size; a contiguous region covers the sequence's whole life, so j0 lies past the span).
         bs = self.resolved.cache.block_size
         starts = [0] * bs
+        late: dict[int, int] = {}
+        tables = sched.kv.tables
         for request in sched.running:
             for seq in request.seqs:
-                starts[-seq.num_computed_tokens % bs] += 1
+                j0 = len(tables[seq.seq_id]) * bs - seq.num_computed_tokens
+                if j0 < bs:
+                    starts[j0] += 1
+                else:
+                    late[j0] = late.get(j0, 0) + 1
         gpu = sched.kv.gpu
         used = gpu.num_used
+        span_model = SpanModel(sched, num_seqs)
+        span_at, mem_add = span_model.at, self.memory.add
+        mem_before = list(self.memory.w)
         running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
         w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
         ends: list[float] = []
@@ -382,7 +482,10 @@ class SimEngine:
             for dt in durations:
                 if t >= limit:
                     break
+                if late and i in late:
+                    starts[i % bs] += late.pop(i)
                 used += starts[i % bs]
+                mem_add(dt, span_at(i, used))
                 w_used += used * dt
                 w_run += running * dt
                 w_wait += waiting * dt
@@ -401,11 +504,15 @@ class SimEngine:
         if used > self._max_used:
             self._max_used = used
         span = t - start
+        mem_means = [(a - b) / span for a, b in zip(self.memory.w[:4], mem_before[:4])]
         self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs,
-                                num_seqs, 0))
+                                num_seqs, 0, *mem_means))
         result = sched.fast_forward(k, ends, self.executor.token_ids)
         if gpu.num_used != used:
             raise RuntimeError(f"event skipping: KV usage {gpu.num_used} after {k} steps, expected {used}")
+        if memory_sample(sched) != span_at(k - 1, used):     # the state now = during the span's last step
+            raise RuntimeError(f"event skipping: memory breakdown {memory_sample(sched)} after {k} steps, "
+                               f"expected {span_at(k - 1, used)}")
         yield self.env.timeout(max(0.0, t - self.env.now))
         self.clock = t
         self.num_steps += k
@@ -448,9 +555,10 @@ class SimEngine:
             "prefix_cache_hit_rate": stats.prefix_hit_rate,
             "num_evictions": stats.num_evictions,
         }
+        breakdown, sharing = self.memory.summary(total)
         return SimResult(self.resolved, self.trace.source, self.records, self.max_tokens, total, self.num_steps,
                          self.num_normal_steps, sched.num_preemptions, sched.num_swaps, self.executor.swap_seconds,
-                         self.executor.num_swapped_blocks, kv, tw, self.timeseries)
+                         self.executor.num_swapped_blocks, kv, tw, self.timeseries, breakdown, sharing)
 
 
 def simulate(config: SimConfig | ResolvedConfig, trace: Trace, *, progress: bool = False) -> SimResult:

@@ -81,6 +81,8 @@ def build_summary(result: SimResult) -> dict:
     s["num_steps"] = result.num_steps
     s.update(result.kv_stats)
     s.update(result.time_weighted)
+    s["memory_breakdown"] = result.memory_breakdown
+    s["kv_sharing"] = result.kv_sharing
     s["trace"] = result.trace_source
     s["config"] = result.config.echo()
     return _clean(s)
@@ -98,11 +100,12 @@ def write_results(result: SimResult, out_dir: str | Path) -> dict:
         for rec, req_out in zip(result.records, result.requested_output_lens):
             w.writerow(["" if v is None else v for v in request_row(rec, req_out)])
     num_blocks = result.config.cache.num_gpu_blocks
+    slots = num_blocks * result.config.cache.block_size
     with open(out / "timeseries.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(result.TIMESERIES_COLUMNS)
         for row in result.timeseries:
-            w.writerow((row[0], row[1], row[2], row[3] / num_blocks) + row[4:])
+            w.writerow((row[0], row[1], row[2], row[3] / num_blocks) + row[4:10] + tuple(v / slots for v in row[10:]))
     return summary
 
 
@@ -117,7 +120,7 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"{c['model']} on {c['tp']}x {c['hardware']}: {c['num_gpu_blocks']:,} KV blocks of {c['block_size']} "
         f"tokens, max_num_seqs={c['max_num_seqs']}, max_num_batched_tokens={c['max_num_batched_tokens']}, "
-        f"policies {c['queue']}/{c['preemption']}/{c['victim']}"
+        f"policies {c.get('allocation', 'paged')}/{c['queue']}/{c['preemption']}/{c['victim']}"
         f"{'/prefix-cache ' + c['eviction'] if c['enable_prefix_caching'] else ''}",
         f"requests     {summary['completed']:,} completed, {summary['rejected']:,} rejected "
         f"of {summary['num_requests']:,}; simulated {summary['sim_time']:,.1f} s in {summary['num_steps']:,} steps",
@@ -133,4 +136,12 @@ def format_summary(summary: dict) -> str:
         f"KV cache     usage mean {summary['kv_usage_mean']:.1%}, max {summary['kv_usage_max']:.1%}; "
         f"preemptions {summary['num_preemptions']:,} (swaps {summary['num_swaps']:,}); "
         f"prefix hit rate {summary['prefix_cache_hit_rate']:.1%}")
+    shares = summary.get("memory_breakdown", {}).get("shares")
+    if shares:
+        lines.append(
+            f"KV memory    of the memory in use (time-averaged): token states {shares['token_states']:.1%}, "
+            f"reservation {shares['reserved']:.1%}, internal frag. {shares['internal_frag']:.1%}, "
+            f"external frag. {shares['external_frag']:.1%}"
+            + (f"; sharing saves {summary['kv_sharing']['saving']:.1%} of the blocks"
+               if c.get("allocation", "paged") == "paged" else ""))
     return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Where the KV memory goes, time-weighted: the vLLM paper's Figure 2 breakdown and the
+blocks saved by sharing.
+
+Per engine step the simulator takes one `MemorySample` of the state *during* the step
+(after `schedule()` allocated the step's slots) and weights it by the step's duration:
+
+  token_states   slots holding a computed token's K/V
+  reserved       slots a contiguous (orca-*) region holds for tokens its sequence will
+                 still produce (0 for paged allocation: it reserves nothing ahead)
+  internal_frag  allocated slots no token will ever fill (the unfilled tail of a paged
+                 sequence's last block; an orca region's slots past the request's end)
+  external_frag  free slots that cannot be used: the next waiting request would fit in
+                 the free total but no free gap is large enough (contiguous only)
+  free           the rest of the pool
+  physical       GPU blocks in use (refcount > 0)
+  logical        sum over GPU block tables of their lengths: the blocks the same
+                 sequences would hold if none were shared (no fork, no prefix cache)
+
+Shares are of the memory *in use* (the four first categories), as in the paper. The
+sharing saving is `1 - physical / logical` over the run (both time-integrated): the
+counterfactual "every sample, beam and prompt owns a copy of its blocks" on the very
+same schedule, i.e. what the paper's Figure 15 compares.
+
+Event skipping (steady decode spans) needs no per-step scan: in such a span every
+running sequence writes exactly one token per step into memory only it holds, so with
+N running sequences and the state before the span (`SpanModel`):
+  token_states(i) = T + (i + 1) N                    (step i = 0, 1, ... of the span)
+  reserved(i)     = R - (i + 1) N   (contiguous: the new tokens use reserved slots)
+                  = 0               (paged)
+  free(i)         = F - block_size * (used(i) - used_before)
+  external_frag   constant (no allocation, admission or free happens in the span)
+  internal_frag   = the rest (paged: used(i) * block_size - token_states(i))
+  logical(i)      = L + used(i) - used_before (each new block joins one table)
+The values are the same integers the step-by-step mode reads from the core, added in
+the same order, so both modes produce bit-identical sums (tested).
+"""
+from __future__ import annotations
+
+from core.contiguous import ContiguousKVCacheManager
+
+CATEGORIES = ("token_states", "reserved", "internal_frag", "external_frag")
+
+
+def sample(scheduler) -> tuple[int, int, int, int, int, int, int]:
+    """(token_states, reserved, internal_frag, external_frag, free, physical, logical) now."""
+    b = scheduler.memory_breakdown()
+    kv = scheduler.kv
+    return (b["token_states"], b["reserved"], b["internal_frag"], b["external_frag"], b["free"],
+            kv.gpu.num_used, sum(map(len, kv.tables.values())))
+
+
+class SpanModel:
+    """The memory sample of each step of a steady decode span, from the state before it."""
+
+    __slots__ = ("tok", "res", "internal", "ext", "free", "used", "logical", "n", "bs", "reserves", "total")
+
+    def __init__(self, scheduler, num_seqs: int):
+        tok, res, internal, ext, free, used, logical = sample(scheduler)
+        self.tok, self.res, self.internal, self.ext, self.free = tok, res, internal, ext, free
+        self.used, self.logical, self.n = used, logical, num_seqs
+        self.bs = scheduler.cache_config.block_size
+        self.total = tok + res + internal + ext + free
+        self.reserves = isinstance(scheduler.kv, ContiguousKVCacheManager)
+
+    def at(self, i: int, used: int) -> tuple[int, int, int, int, int, int, int]:
+        """The sample during step i of the span, when `used` blocks are in use."""
+        grown = (i + 1) * self.n
+        tok = self.tok + grown
+        res = self.res - grown if self.reserves else self.res
+        free = self.free - self.bs * (used - self.used)
+        internal = self.total - tok - res - self.ext - free
+        return tok, res, internal, self.ext, free, used, self.logical + used - self.used
+
+
+class MemoryAccumulator:
+    """Time integrals (value x seconds) of each sample field, added step by step."""
+
+    __slots__ = ("block_size", "num_blocks", "w")
+
+    FIELDS = (*CATEGORIES, "free", "physical", "logical")
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.w = [0.0] * len(self.FIELDS)
+
+    def add(self, dt: float, s: tuple) -> None:
+        w = self.w
+        for j in range(7):
+            w[j] += s[j] * dt
+
+    def summary(self, total_time: float) -> tuple[dict, dict]:
+        """(memory_breakdown, kv_sharing) entries of summary.json."""
+        w = dict(zip(self.FIELDS, self.w))
+        in_use = sum(w[c] for c in CATEGORIES)
+        breakdown = {
+            "shares": {c: (w[c] / in_use if in_use > 0 else 0.0) for c in CATEGORIES},
+            "slot_seconds": {c: w[c] for c in (*CATEGORIES, "free")},
+            "mean_slots": {c: (w[c] / total_time if total_time > 0 else 0.0) for c in (*CATEGORIES, "free")},
+            "total_slots": self.num_blocks * self.block_size,
+        }
+        phys, logical = w["physical"], w["logical"]
+        sharing = {
+            "physical_block_seconds": phys,
+            "logical_block_seconds": logical,
+            "mean_physical_blocks": phys / total_time if total_time > 0 else 0.0,
+            "mean_logical_blocks": logical / total_time if total_time > 0 else 0.0,
+            "saving": 1.0 - phys / logical if logical > 0 else 0.0,
+        }
+        return breakdown, sharing
