@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.twinserve-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup run test serve bench clean
+.PHONY: setup run test serve bench figures clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,10 +26,14 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: setup
-	$(BIN)/python -m realexec serve
+	$(BIN)/python -m realexec serve $(ARGS)
 
 bench: setup
 	$(BIN)/python -m core.bench
+	$(BIN)/python -m sim.bench --quick
+
+figures: setup
+	$(BIN)/python -m plots
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
