@@ -1,0 +1,94 @@
+"""EngineArgs: every knob of the real engine, and the argparse flags the CLIs share.
+
+Each dataclass field is one `--flag` (underscores become dashes); `add_engine_args`
+builds them from the fields and their help strings, so adding a knob is one line here.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def _arg(default, help: str, **argparse_kwargs):
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = _arg(None, "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    dtype: str = _arg("auto", "auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, else the checkpoint's half type)")
+    device: str = _arg("auto", "auto | cpu | cuda | cuda:N (auto: cuda when available)")
+    attention_backend: str | None = _arg(None, "torch | triton (default: triton on CUDA, torch on CPU)")
+    block_size: int = _arg(16, "tokens per KV block")
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = _arg(
+        None, "most tokens computed in one step (default 2048; without chunked prefill at least max_model_len)")
+    max_model_len: int | None = _arg(
+        None, "prompt + output tokens of one sequence (default: min(model max positions, 2048), "
+              "capped by what the KV cache holds)")
+    kv_cache_memory: float | None = _arg(
+        None, "GiB for the KV cache (CPU default 1; CUDA default: profiled from --gpu-memory-utilization)")
+    gpu_memory_utilization: float = _arg(0.9, "CUDA: fraction of free memory the engine may use")
+    num_gpu_blocks: int | None = _arg(None, "force the KV cache size in blocks (overrides the memory budget)")
+    swap_space: float = _arg(1.0, "GiB of CPU memory for swapped-out KV blocks (0 disables swapping)")
+    enable_prefix_caching: bool = _arg(False, "reuse KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
+    watermark: float = _arg(0.01, "fraction of KV blocks new admissions must leave free")
+    queue_policy: str = _arg("fcfs", "waiting-queue order: fcfs | priority | sjf")
+    preemption_mode: str = _arg("recompute", "recompute | swap | auto")
+    victim_policy: str = _arg("newest", "preemption victim: newest | lowest-priority | least-computed")
+    eviction_policy: str = _arg("lru", "cached-block eviction: lru | lfu | fifo")
+    seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
+    cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
+
+    def validate(self) -> None:
+        def positive(name):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {value}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_gpu_blocks", "cpu_threads"):
+            positive(name)
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap-space must be >= 0 GiB, got {self.swap_space}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"attention-backend must be torch or triton, got {self.attention_backend!r}")
+
+    def policy_names(self) -> dict[str, str]:
+        return {"queue": self.queue_policy, "preemption": self.preemption_mode,
+                "victim": self.victim_policy, "eviction": self.eviction_policy}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one --flag per EngineArgs field to `parser` (in an "engine" group)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = {"default": f.default, "help": f.metadata["help"] + (
+            f" [{f.default}]" if f.default is not None else "")}
+        if f.type in ("bool", bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _FIELD_TYPES.get(f.name, str)
+        group.add_argument(flag, dest=f.name, **kwargs)
+    return parser
+
+
+# argparse converters for the non-string fields (the annotations are strings under
+# `from __future__ import annotations`).
+_FIELD_TYPES = {
+    "block_size": int, "max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
+    "kv_cache_memory": float, "gpu_memory_utilization": float, "num_gpu_blocks": int, "swap_space": float,
+    "watermark": float, "seed": int, "cpu_threads": int,
+}
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,313 @@
+"""LLMEngine: the core's EngineCore plus tokenization, detokenization and stop strings.
+
+    engine = LLMEngine(EngineArgs(...))
+    engine.add_request("Hello", SamplingParams(max_tokens=32), request_id="a")
+    while engine.has_unfinished_requests():
+        for out in engine.step():            # RequestOutputs of requests that moved this step
+            print(out.outputs[0].text_delta, end="")
+
+A step is the core's three calls (schedule -> executor.execute_model -> update), then,
+for each request that got tokens: incremental detokenization of each sequence, stop-
+string checks (a match finishes the sequence through `scheduler.finish_sequence`), and
+one RequestOutput with the text so far and the delta since the previous step.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+
+from core import (CacheConfig, EngineCore, InvalidRequestError, Request, RequestStatus, SamplingParams,
+                  Scheduler, SchedulerConfig, Sequence)
+from core.request import RequestMetrics
+from policies import PolicySet
+from realexec.config import EngineArgs
+from realexec.executor import UniprocExecutor
+
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class CompletionOutput:
+    index: int                           # sample index (n > 1) or beam rank (beam search, best first)
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None     # set when logprobs were asked for, and for beams
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None     # 'stop' | 'length' | 'abort'; None while running
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    text_delta: str = ""                 # text added since the previous output of this request
+    token_ids_delta: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+class _SeqText:
+    """Incremental detokenization state of one sequence (offsets index seq.token_ids).
+
+    Decode tokens[prefix_offset:] and tokens[prefix_offset:read_offset]; the new text is
+    the difference. A few tokens of left context keep tokenizers that drop a leading space
+    honest; a trailing U+FFFD means a multi-byte character is incomplete: wait for more."""
+    __slots__ = ("index", "text", "prefix_offset", "read_offset", "sent_chars", "sent_tokens",
+                 "stop_reason", "stopped_here")
+
+    def __init__(self, index: int, num_prompt_tokens: int):
+        self.index = index
+        self.text = ""
+        self.prefix_offset = max(0, num_prompt_tokens - 5)
+        self.read_offset = num_prompt_tokens
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.stop_reason: str | int | None = None
+        self.stopped_here = False    # finished by our stop-string check (text already truncated)
+
+
+class _RequestState:
+    __slots__ = ("request", "seqs", "max_stop_len")
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.seqs: dict[int, _SeqText] = {}
+        self.max_stop_len = max((len(s) for s in request.params.stop), default=0)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **overrides):
+        args = replace(args, **overrides) if args is not None else EngineArgs(**overrides)
+        args.validate()
+        self.args = args
+        self.executor = UniprocExecutor(args)
+        self.model_config = self.executor.model_config
+        self.tokenizer = self.executor.tokenizer
+
+        num_gpu_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
+        if args.num_gpu_blocks is not None:
+            num_gpu_blocks = args.num_gpu_blocks
+        if num_gpu_blocks < 1:
+            raise ValueError("no memory left for the KV cache: raise --kv-cache-memory or "
+                             "--gpu-memory-utilization")
+        self.max_model_len = self._resolve_max_model_len(num_gpu_blocks)
+        max_batched = args.max_num_batched_tokens or (
+            DEFAULT_MAX_BATCHED_TOKENS if args.enable_chunked_prefill
+            else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
+        cache_config = CacheConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
+                                   num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                                   watermark=args.watermark)
+        scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
+                                           max_model_len=self.max_model_len,
+                                           enable_chunked_prefill=args.enable_chunked_prefill)
+        self.scheduler = Scheduler(scheduler_config, cache_config, PolicySet.from_names(**args.policy_names()))
+        self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        self.core = EngineCore(self.scheduler, self.executor, clock=time.monotonic)
+
+        cfg = self.model_config
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_id = eos if eos is not None else cfg.eos_token_id
+        # Extra end-of-sequence ids (Llama 3 instruct has several) become stop tokens.
+        self.extra_eos_ids = [e for e in cfg.eos_token_ids if e != self.eos_token_id]
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.step_time = 0.0
+        self.detokenize_time = 0.0
+
+    def _resolve_max_model_len(self, num_gpu_blocks: int) -> int:
+        model_max = self.model_config.max_position_embeddings
+        cache_max = num_gpu_blocks * self.args.block_size
+        wanted = self.args.max_model_len
+        if wanted is None:
+            return min(model_max, DEFAULT_MAX_MODEL_LEN, cache_max)
+        if wanted > model_max:
+            raise ValueError(f"max-model-len {wanted} exceeds the model's max_position_embeddings {model_max}")
+        return wanted      # the scheduler config checks it against the cache, with a clear message
+
+    # -- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: pass prompts as token ids")
+        return list(self.tokenizer(prompt).input_ids)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's chat template, ready for
+        the assistant's turn."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request; raises InvalidRequestError (a ValueError) if it can never be served."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompt, str):
+            text = prompt
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            token_ids = self.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
+                f"(the prompt plus at least one output token must fit)")
+        if self.extra_eos_ids and not params.ignore_eos:
+            params = replace(params, stop_token_ids=list(params.stop_token_ids) + self.extra_eos_ids)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._states:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        request = Request(request_id, token_ids, params, arrival_time=time.monotonic(), priority=priority,
+                          eos_token_id=self.eos_token_id, prompt=text)
+        self.core.add_request(request)
+        if request.status is RequestStatus.FINISHED_REJECTED:
+            raise InvalidRequestError(f"request {request_id!r} rejected: {request.reject_reason}")
+        self._states[request_id] = _RequestState(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; no further output is produced for it."""
+        self._states.pop(request_id, None)
+        return self.core.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    # -- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; outputs of the requests that progressed or finished."""
+        t0 = time.perf_counter()
+        result = self.core.step()
+        t1 = time.perf_counter()
+        outputs = []
+        seen = set()
+        for request in itertools.chain(result.updated, result.finished):
+            state = self._states.get(request.request_id)
+            if state is None or request.request_id in seen:
+                continue
+            seen.add(request.request_id)
+            if request.params.beam_width and not request.is_finished:
+                continue                      # beams are reshuffled every step: report at the end
+            outputs.append(self._make_output(state))
+            if request.is_finished:
+                del self._states[request.request_id]
+        t2 = time.perf_counter()
+        self.num_steps += 1
+        self.step_time += t2 - t0
+        self.detokenize_time += t2 - t1
+        return outputs
+
+    def _seq_state(self, state: _RequestState, seq: Sequence, index: int | None = None) -> _SeqText:
+        st = state.seqs.get(seq.seq_id)
+        if st is None:
+            st = state.seqs[seq.seq_id] = _SeqText(len(state.seqs) if index is None else index,
+                                                   seq.num_prompt_tokens)
+        return st
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        request = state.request
+        beams = bool(request.params.beam_width)
+        if beams:       # final: the ranked hypotheses (finalize_beams sorted them best first)
+            seqs = [(seq, self._seq_state(state, seq, rank)) for rank, seq in enumerate(request.finished_seqs)]
+        else:
+            seqs = [(seq, self._seq_state(state, seq)) for seq in request.all_seqs()]
+            seqs.sort(key=lambda p: p[1].index)
+        completions = []
+        for seq, st in seqs:
+            if not st.stopped_here:
+                self._detokenize(seq, st)
+                if not beams:
+                    self._check_stop(seq, st, state)
+            completions.append(self._completion(seq, st, state))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.is_finished, request.metrics)
+
+    def _detokenize(self, seq: Sequence, st: _SeqText) -> None:
+        tok = self.tokenizer
+        ids = seq.token_ids
+        if tok is None or st.read_offset >= len(ids):
+            return
+        prefix = tok.decode(ids[st.prefix_offset:st.read_offset], skip_special_tokens=True)
+        full = tok.decode(ids[st.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            st.text += full[len(prefix):]
+            st.prefix_offset, st.read_offset = st.read_offset, len(ids)
+
+    def _check_stop(self, seq: Sequence, st: _SeqText, state: _RequestState) -> None:
+        params = state.request.params
+        if not params.stop or seq.num_output_tokens < params.min_tokens:
+            return
+        # Only a match that ends in the new text can be new.
+        search_from = max(0, st.sent_chars - state.max_stop_len)
+        text = st.text
+        hits = [(i, s) for s in params.stop if (i := text.find(s, search_from)) >= 0]
+        if not hits:
+            return
+        idx, stop = min(hits)
+        st.text = text[:idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+        st.stop_reason = stop
+        st.stopped_here = True
+        if not seq.is_finished:
+            self.scheduler.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, detail=stop)
+
+    def _completion(self, seq: Sequence, st: _SeqText, state: _RequestState) -> CompletionOutput:
+        params = state.request.params
+        finished = seq.is_finished or st.stopped_here
+        if st.stopped_here:
+            reason = "stop"
+        elif finished:
+            reason = seq.status.value
+            if seq.status is RequestStatus.FINISHED_STOPPED and seq.token_ids:
+                last = seq.token_ids[-1]
+                st.stop_reason = seq.finish_reason_detail or (last if last != state.request.eos_token_id else None)
+        else:
+            reason = None
+        # While running, hold back a tail that could still become a stop string.
+        visible = st.text
+        if not finished and state.max_stop_len > 1:
+            visible = visible[:max(st.sent_chars, len(visible) - state.max_stop_len + 1)]
+        out_ids = seq.output_token_ids
+        delta_text, delta_ids = visible[st.sent_chars:], out_ids[st.sent_tokens:]
+        st.sent_chars, st.sent_tokens = len(visible), len(out_ids)
+        with_logprobs = params.logprobs is not None or params.beam_width
+        return CompletionOutput(
+            index=st.index, text=visible, token_ids=out_ids,
+            cumulative_logprob=seq.cum_logprob if with_logprobs else None,
+            logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
+            finish_reason=reason, stop_reason=st.stop_reason,
+            text_delta=delta_text, token_ids_delta=delta_ids)
+
+    # -- introspection ------------------------------------------------------------------------
+    def timing_stats(self) -> dict[str, float]:
+        """Where step time went: the core (schedule + update) is step minus execute minus
+        detokenize; input preparation is measured inside the model runner."""
+        worker = self.executor.collective_rpc("get_timings")[0]
+        execute = self.executor.execute_time
+        step = self.step_time
+        core = step - execute - self.detokenize_time
+        return {"steps": self.num_steps, "step_s": step, "execute_s": execute,
+                "prepare_s": worker["prepare_s"], "scheduler_s": core, "detokenize_s": self.detokenize_time,
+                "scheduler_share": core / step if step else 0.0,
+                "prepare_share": worker["prepare_s"] / step if step else 0.0}

@@ -1,0 +1,325 @@
+"""AsyncEngine: an LLMEngine driven by one background thread, fed from asyncio handlers.
+
+    engine = AsyncEngine(LLMEngine(args)); engine.start()
+    stream = await engine.generate(["Hello"], SamplingParams(max_tokens=8))   # raises on bad input
+    async for prompt_index, output in stream:                                  # RequestOutputs
+        ...
+    engine.abort(stream)       # client gone: the engine thread aborts it and frees its blocks
+
+Threads. Every call into the engine (add_request, abort_request, step, encode_chat) and
+the scheduler happens on the engine thread: the core is not thread-safe and needs none.
+Handlers (on the asyncio loop) hand work over through two lists guarded by a
+`threading.Condition`: `generate` appends an add (a group of engine requests: one per
+prompt of a batch) and `abort` appends request ids; both `notify()`. The engine thread
+waits on the condition while it has nothing to add, abort or step (no polling when
+idle), else loops: take the handed-over adds and aborts, apply them (adds first, so
+an abort that races its own add still finds it), run one `step()`, and deliver.
+
+Delivery. Each `RequestStream` owns an `asyncio.Queue` on its handler's loop. After a
+step the engine thread groups what it has for each loop (acks, errors, outputs) and
+hands the whole batch over with one `loop.call_soon_threadsafe`, so a step that
+advances 100 streams costs one cross-thread wake-up, not 100. The first item of a
+stream is its ack (prompt token ids) or the exception that refused it, so a handler
+can answer 400/503 before it commits to a 200 streaming response.
+
+Abort. A handler's `finally` (stream closed, client disconnected, task cancelled)
+calls `abort(stream)` for requests not yet finished; the engine thread drops the
+stream, calls `engine.abort_request` (the scheduler frees the request's KV blocks) and
+counts it as finished_reason="abort".
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from core import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from realexec.engine import LLMEngine, RequestOutput
+    from realexec.server.metrics import ServerMetrics
+
+logger = logging.getLogger("twinserve.server")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-waiting-requests allows (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crashed or shut down); no request can be served."""
+
+
+@dataclass
+class _Ack:
+    prompt_token_ids: list[list[int]]
+
+
+@dataclass
+class _Sub:
+    request_id: str
+    prompt: str | list[int] | None            # text or token ids ...
+    messages: list[dict] | None               # ... or a conversation for the chat template
+    params: SamplingParams
+    priority: int
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests (one per prompt of a batch).
+
+    Iterating yields (prompt index, RequestOutput) until every engine request finished."""
+
+    def __init__(self, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+        self.request_ids = request_ids
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_token_ids: list[list[int]] = []
+        self.unfinished = set(request_ids)
+        self.created = time.time()
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_token_ids)
+
+    async def wait_added(self) -> None:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.unfinished.clear()
+            raise item
+        self.prompt_token_ids = item.prompt_token_ids
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.unfinished.clear()
+                raise item
+            index, out = item
+            if out.finished:
+                self.unfinished.discard(out.request_id)
+            yield index, out
+
+
+class AsyncEngine:
+    def __init__(self, engine: "LLMEngine", *, max_waiting_requests: int | None = None,
+                 metrics: "ServerMetrics | None" = None):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max-waiting-requests must be >= 0, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._adds: list[tuple[RequestStream, list[_Sub]]] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        # Engine-thread state: request id -> (stream, prompt index).
+        self._streams: dict[str, tuple[RequestStream, int]] = {}
+        self.error: BaseException | None = None
+        self.stats: dict[str, Any] = {}
+        self._publish_stats()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="twinserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # -- handler side (asyncio loop) -----------------------------------------------------------
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**8}"
+
+    async def generate(self, prompts: list[str | list[int]] | None, params: SamplingParams, *,
+                       messages: list[dict] | None = None, priority: int = 0,
+                       request_id: str | None = None) -> RequestStream:
+        """Queue one engine request per prompt (or one for `messages`); return their stream
+        once the engine thread accepted them all. Raises InvalidRequestError (a bad
+        prompt, too long for the context), QueueFullError, EngineDeadError."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error
+                                  else "the engine is not running")
+        base = request_id or self.new_request_id("req")
+        if messages is not None:
+            subs = [_Sub(base, None, messages, params, priority)]
+        else:
+            ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+            subs = [_Sub(rid, p, None, params, priority) for rid, p in zip(ids, prompts)]
+        stream = RequestStream([s.request_id for s in subs], asyncio.get_running_loop())
+        with self._cond:
+            self._adds.append((stream, subs))
+            self._cond.notify()
+        try:
+            await stream.wait_added()
+        except asyncio.CancelledError:
+            self.abort(stream)
+            raise
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Abort the stream's unfinished requests (safe to call at any time, any number of times)."""
+        ids = list(stream.unfinished)
+        stream.unfinished.clear()
+        if ids:
+            with self._cond:
+                self._aborts.extend(ids)
+                self._cond.notify()
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._adds or self._aborts or self._stopping) and not engine.has_unfinished_requests():
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+                for stream, subs in adds:
+                    self._add(stream, subs, deliveries)
+                for request_id in aborts:
+                    self._abort(request_id)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._route(outputs, deliveries)
+                self._publish_stats()
+                self._deliver(deliveries)
+        except BaseException as e:        # noqa: BLE001 - report it to every waiting handler
+            logger.exception("engine thread died")
+            self.error = e
+        finally:
+            self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}" if self.error
+                                           else "the server is shutting down"))
+
+    def _add(self, stream: RequestStream, subs: list[_Sub], deliveries) -> None:
+        engine = self.engine
+        added: list[str] = []
+        try:
+            limit = self.max_waiting_requests
+            if limit is not None and engine.scheduler.num_waiting + len(subs) > limit:
+                raise QueueFullError(
+                    f"server busy: {engine.scheduler.num_waiting} requests are waiting "
+                    f"(--max-waiting-requests {limit}); retry later")
+            prompt_ids = []
+            for i, sub in enumerate(subs):
+                # Tokenize here (the engine thread owns the tokenizer too), then add by ids.
+                if sub.messages is not None:
+                    ids = engine.encode_chat(sub.messages)
+                elif isinstance(sub.prompt, str):
+                    if not sub.prompt:
+                        raise InvalidRequestError("prompt is empty")
+                    ids = engine.encode(sub.prompt)
+                else:
+                    ids = sub.prompt
+                engine.add_request(ids, sub.params, request_id=sub.request_id, priority=sub.priority)
+                added.append(sub.request_id)
+                self._streams[sub.request_id] = (stream, i)
+                prompt_ids.append(list(ids))
+        except Exception as e:                      # all or nothing for a batch of prompts
+            for request_id in added:
+                engine.abort_request(request_id)
+                self._streams.pop(request_id, None)
+            if self.metrics is not None:
+                self.metrics.request_rejected(e)
+            if not isinstance(e, (InvalidRequestError, QueueFullError)):
+                logger.exception("add_request failed")
+            deliveries.setdefault(stream.loop, []).append((stream, e))
+            return
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(sum(len(p) for p in prompt_ids))
+        deliveries.setdefault(stream.loop, []).append((stream, _Ack(prompt_ids)))
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return                                  # finished (or refused) meanwhile
+        if self.engine.abort_request(request_id) and self.metrics is not None:
+            self.metrics.request_finished_reason("abort")
+
+    def _route(self, outputs: list["RequestOutput"], deliveries) -> None:
+        metrics = self.metrics
+        for out in outputs:
+            if metrics is not None:
+                metrics.output(out)
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue
+            stream, index = target
+            if out.finished:
+                del self._streams[out.request_id]
+            deliveries.setdefault(stream.loop, []).append((stream, (index, out)))
+
+    def _deliver(self, deliveries) -> None:
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:                    # that loop is closed: nobody will read
+                for stream, _ in items:
+                    for request_id in stream.request_ids:
+                        self._abort(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        deliveries: dict = {}
+        with self._cond:
+            adds, self._adds = self._adds, []
+        for stream, _ in adds:
+            deliveries.setdefault(stream.loop, []).append((stream, error))
+        seen = set()
+        for stream, _ in self._streams.values():
+            if id(stream) not in seen:
+                seen.add(id(stream))
+                deliveries.setdefault(stream.loop, []).append((stream, error))
+        self._streams.clear()
+        for loop, items in deliveries.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+
+    def _publish_stats(self) -> None:
+        """A snapshot for /metrics, replaced whole (readers on other threads see one or the other)."""
+        sched = self.engine.scheduler
+        kv = sched.kv.stats()
+        self.stats = {
+            "num_requests_running": sched.num_running,
+            "num_requests_waiting": sched.num_waiting,
+            "num_requests_swapped": sched.num_swapped,
+            "kv_cache_usage_perc": kv.gpu_usage,
+            "cpu_cache_usage_perc": kv.num_used_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": sched.num_preemptions,
+            "num_gpu_blocks": kv.num_gpu_blocks,
+            "num_used_gpu_blocks": kv.num_used_gpu_blocks,
+            "num_pending": len(self._streams),
+        }
+
+
+def _put_all(items) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)

@@ -1,0 +1,96 @@
+"""`python -m realexec serve` and `python -m realexec bench serve` flags and runners.
+
+Two ways to wire them into realexec/cli.py:
+    COMMANDS["serve"] = Command("OpenAI-compatible HTTP server", "realexec.server.cli:add_serve_arguments",
+                                "realexec.server.cli:run_serve")
+    COMMANDS["bench"]["serve"] = Command("serving benchmark against an OpenAI-compatible server",
+                                         "realexec.bench_serve:add_arguments", "realexec.bench_serve:run")
+or, with plain argparse subparsers, `add_serve_parser(subparsers)` /
+`add_bench_serve_parser(subparsers)` (both set `_run` to a "module:function" reference,
+as realexec.cli.main expects).
+"""
+from __future__ import annotations
+
+import argparse
+
+SERVE_HELP = "OpenAI-compatible HTTP server (completions, chat, models, health, metrics)"
+BENCH_SERVE_HELP = "serving benchmark: stream a trace's requests at a rate to an OpenAI-compatible server"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from realexec.config import add_engine_args
+
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to listen on [127.0.0.1]")
+    g.add_argument("--port", type=int, default=8000, help="TCP port [8000]")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported in /v1/models and metrics "
+                        "(default: SmolLM2-135M-Instruct for the embedded model, else the --model path's name)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 when this many requests are already waiting to be admitted (default: no limit)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level [info]")
+    add_engine_args(parser)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from realexec.config import engine_args_from_namespace
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    engine_args = engine_args_from_namespace(args)
+    engine_args.validate()                     # bad flags fail before torch and the model load
+
+    import uvicorn
+
+    from realexec.engine import LLMEngine
+    from realexec.server.app import create_app, default_served_model_name
+
+    engine = LLMEngine(engine_args)
+    names = args.served_model_name or [default_served_model_name(engine_args.model)]
+    app = create_app(engine, served_model_name=names, max_waiting_requests=args.max_waiting_requests)
+    print(f"twinserve: serving {names[0]!r} (max_model_len {engine.max_model_len}, "
+          f"{engine.scheduler.cache_config.num_gpu_blocks} KV blocks of {engine_args.block_size}) "
+          f"on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help=SERVE_HELP, description=SERVE_HELP)
+    add_serve_arguments(p)
+    p.set_defaults(_run="realexec.server.cli:run_serve")
+    return p
+
+
+def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from realexec.bench_serve import add_arguments
+
+    p = subparsers.add_parser("serve", help=BENCH_SERVE_HELP, description=BENCH_SERVE_HELP)
+    add_arguments(p)
+    p.set_defaults(_run="realexec.bench_serve:run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m realexec.server [serve|bench-serve] ...` until the lead wires realexec/cli.py."""
+    import sys
+
+    from realexec.cli import _load, _user_errors
+
+    parser = argparse.ArgumentParser(prog="python -m realexec.server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_parser(bench)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _load(args._run)(args)
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
