@@ -66,3 +66,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# `python -m realexec bench kernels`: the kernel table, then graph vs eager.
+def add_kernels_arguments(parser) -> None:
+    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    parser.add_argument("--reps", type=int, default=50)
+
+
+def run_kernels(args) -> int:
+    from realexec.kernels.bench import main as kernels_main
+    rc = kernels_main(["--dtype", args.dtype, "--reps", str(args.reps)])
+    return rc or main(["--dtype", args.dtype, "--reps", str(args.reps)])

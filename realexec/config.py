@@ -41,6 +41,7 @@ class EngineArgs:
     eviction_policy: str = _arg("lru", "cached-block eviction: lru | lfu | fifo")
     seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
+    enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
 
     def validate(self) -> None:
         def positive(name):

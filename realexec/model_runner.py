@@ -29,6 +29,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.graph_runner = None       # a DecodeGraphRunner on CUDA (see worker), else None
         self.prepare_time = 0.0        # seconds spent building inputs (host side)
         self.num_steps = 0
 
@@ -97,7 +98,12 @@ class ModelRunner:
         input_ids, positions, md, rows, row_index = self.prepare_inputs(out)
         self.prepare_time += time.perf_counter() - t0
         self.num_steps += 1
-        hidden = self.model(input_ids, positions, self.kv_caches, md)
+        graphs = self.graph_runner
+        if graphs is not None and md.is_decode_only and md.num_seqs <= graphs.max_batch:
+            hidden = graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables,
+                                md.seq_lens_cpu)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, md)
         if not rows:
             return ModelRunnerOutput(token_ids={})
         if len(row_index) < hidden.shape[0]:

@@ -187,6 +187,21 @@ class Worker:
              torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin))
             for _ in range(cfg.num_hidden_layers)] if num_cpu_blocks else []
         self.runner.kv_caches = self.gpu_cache
+        self._maybe_capture_decode_graphs(num_gpu_blocks)
+
+    def _maybe_capture_decode_graphs(self, num_gpu_blocks: int) -> None:
+        """On CUDA with a shape-only attention backend, decode replays captured graphs."""
+        args, cfg = self.args, self.model_config
+        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        if self.device.type != "cuda" or args.enforce_eager or backend != "triton":
+            return
+        from realexec.cuda_graph import DecodeGraphRunner
+        max_len = min(cfg.max_position_embeddings, num_gpu_blocks * args.block_size)
+        self.runner.graph_runner = DecodeGraphRunner(
+            self.model, self.gpu_cache, block_size=args.block_size, max_batch=min(args.max_num_seqs, 256),
+            max_blocks_per_seq=-(-max_len // args.block_size), max_seq_len=max_len, device=self.device,
+            capture=True)
+        self.runner.graph_runner.capture()
 
     # -- per step ---------------------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
