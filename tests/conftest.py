@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,3 +17,15 @@ settings.register_profile("dev", max_examples=150, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 SHARED_TRACES = ROOT.parent / "shared" / "traces"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The machines' 2 cores are shared: with 2 intra-op threads every small op waits on a
+    descheduled sibling thread (several times slower). Model tests run on one thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -25,12 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------- fixtures

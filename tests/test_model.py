@@ -19,14 +19,7 @@ from realexec.models import ModelConfig
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The dev machines' 2 cores are shared: with 2 intra-op threads every small op waits on
-    # a descheduled sibling thread, and these tiny-shape tests run several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------- helpers
