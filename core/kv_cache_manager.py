@@ -254,16 +254,24 @@ class KVCacheManager:
         Paged memory reserves nothing ahead and has no external fragmentation; its only
         waste is the unfilled tail of each sequence's last block (counted once per block)."""
         bs, tables = self.block_size, self.tables
+        # A single-sequence request's partial last block is its own (the prefix cache only
+        # shares full blocks): its slack is (-computed) mod block_size. Only forked groups
+        # can share a partial block, so they are counted per distinct block.
+        internal = 0
         fill: dict[int, int] = {}
         for request in running:
-            for seq in request.seqs:
+            seqs = request.seqs
+            if len(seqs) == 1:
+                internal += -seqs[0].num_computed_tokens % bs
+                continue
+            for seq in seqs:
                 table = tables.get(seq.seq_id)
                 if table:
                     last = table[-1]
                     f = seq.num_computed_tokens - (len(table) - 1) * bs
                     if f > fill.get(last, 0):
                         fill[last] = f
-        internal = sum(bs - f for f in fill.values())
+        internal += sum(bs - f for f in fill.values())
         return {"token_states": self.gpu.num_used * bs - internal, "reserved": 0, "internal_frag": internal,
                 "external_frag": 0, "free": self.gpu.num_free * bs}
 
