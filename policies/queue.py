@@ -101,52 +101,29 @@ class ShortestJobFirstPolicy:
         return KeyedQueue(lambda r: (r.priority, len(r.seqs[0].token_ids)))
 
 
-class LongestPrefixMatchQueue:
+class LongestPrefixMatchQueue(FCFSQueue):
     """Waiting requests with the most prompt blocks already in the prefix cache first
     (ties FCFS); past `max_scan` waiting requests it degrades to FCFS, so the cost of a
     peek stays bounded under overload (SGLang's LPM makes the same trade)."""
 
     def __init__(self, max_scan: int = 128) -> None:
-        self._q: deque[Request] = deque()
+        super().__init__()
         self._kv = None
         self.max_scan = max_scan
 
     def bind(self, kv) -> None:
         self._kv = kv                        # the scheduler's KV manager, for cache lookups
 
-    def _best(self) -> Request:
+    def peek(self) -> Request:
         q = self._q
         if self._kv is None or len(q) > self.max_scan or len(q) == 1:
             return q[0]
-        best, best_key = q[0], None
-        for r in q:
-            key = (-len(self._kv.find_cached_prefix(r.seqs[0])), r.arrival_index)
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        return best
-
-    def add(self, request: Request) -> None:
-        self._q.append(request)
-
-    def add_preempted(self, request: Request) -> None:
-        self._q.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._best()
+        return min(q, key=lambda r: (-len(self._kv.find_cached_prefix(r.seqs[0])), r.arrival_index))
 
     def pop(self) -> Request:
-        best = self._best()
+        best = self.peek()
         self._q.remove(best)
         return best
-
-    def remove(self, request: Request) -> None:
-        self._q.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
 
 
 class LongestPrefixMatchPolicy:
