@@ -441,17 +441,15 @@ def test_queue_limit_answers_503(tiny_dir):
 # ----------------------------------------------------------------------------- bench serve, CLI
 
 def test_bench_serve_against_server(url, tmp_path, capsys):
-    import argparse
 
     from realexec import bench_serve
-    from realexec.server.cli import add_bench_serve_parser
+    from realexec.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    add_bench_serve_parser(parser.add_subparsers())
     out = tmp_path / "bench.json"
-    args = parser.parse_args(["serve", "--url", url, "--trace", str(ROOT / "traces/sharegpt.json"),
+    argv = ["bench", "serve", "--url", url, "--trace", str(ROOT / "traces/sharegpt.json"),
                               "--num-requests", "8", "--rate", "20", "--max-tokens-cap", "6", "--seed", "1",
-                              "--goodput", "ttft:60000", "e2el:60000", "--save-result", str(out)])
+                              "--goodput", "ttft:60000", "e2el:60000", "--save-result", str(out)]
+    args = build_parser(argv).parse_args(argv)
     assert args._run == "realexec.bench_serve:run"
     assert bench_serve.run(args) == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
@@ -492,14 +490,12 @@ def test_bench_serve_chat_endpoint_and_bad_args(url, tmp_path):
 
 
 def test_serve_parser():
-    import argparse
 
-    from realexec.server.cli import add_serve_parser
+    from realexec.cli import build_parser
 
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--port", "0", "--max-num-seqs", "8", "--enable-prefix-caching",
-                              "--preemption-mode", "swap", "--max-waiting-requests", "4"])
+    argv = ["serve", "--port", "0", "--max-num-seqs", "8", "--enable-prefix-caching",
+            "--preemption-mode", "swap", "--max-waiting-requests", "4"]
+    args = build_parser(argv).parse_args(argv)
     assert (args.host, args.port, args.max_num_seqs, args.enable_prefix_caching, args.preemption_mode,
             args.max_waiting_requests, args.served_model_name) == ("127.0.0.1", 0, 8, True, "swap", 4, None)
     assert args._run == "realexec.server.cli:run_serve"

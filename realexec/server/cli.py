@@ -1,14 +1,4 @@
-"""`python -m realexec serve` and `python -m realexec bench serve` flags and runners.
-
-Two ways to wire them into realexec/cli.py:
-    COMMANDS["serve"] = Command("OpenAI-compatible HTTP server", "realexec.server.cli:add_serve_arguments",
-                                "realexec.server.cli:run_serve")
-    COMMANDS["bench"]["serve"] = Command("serving benchmark against an OpenAI-compatible server",
-                                         "realexec.bench_serve:add_arguments", "realexec.bench_serve:run")
-or, with plain argparse subparsers, `add_serve_parser(subparsers)` /
-`add_bench_serve_parser(subparsers)` (both set `_run` to a "module:function" reference,
-as realexec.cli.main expects).
-"""
+"""`python -m realexec serve` flags and runner (registered in realexec/cli.py's COMMANDS table)."""
 from __future__ import annotations
 
 import argparse
@@ -57,40 +47,3 @@ def run_serve(args: argparse.Namespace) -> int:
           f"on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
-
-
-def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help=SERVE_HELP, description=SERVE_HELP)
-    add_serve_arguments(p)
-    p.set_defaults(_run="realexec.server.cli:run_serve")
-    return p
-
-
-def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from realexec.bench_serve import add_arguments
-
-    p = subparsers.add_parser("serve", help=BENCH_SERVE_HELP, description=BENCH_SERVE_HELP)
-    add_arguments(p)
-    p.set_defaults(_run="realexec.bench_serve:run")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m realexec.server [serve|bench-serve] ...` until the lead wires realexec/cli.py."""
-    import sys
-
-    from realexec.cli import _load, _user_errors
-
-    parser = argparse.ArgumentParser(prog="python -m realexec.server")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    add_bench_serve_parser(bench)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return _load(args._run)(args)
-    except _user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
