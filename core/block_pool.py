@@ -109,18 +109,3 @@ class BlockPool:
             if self.cached.get(h) == block_id:
                 del self.cached[h]
             self.evictor.forget(block_id)         # type: ignore[union-attr]
-
-    def reset_cache(self) -> int:
-        """Drop every cached-but-free block from the index (e.g. after weights change)."""
-        if self.evictor is None:
-            return 0
-        n = 0
-        while len(self.evictor):
-            b = self.evictor.pop()
-            self._drop_hash(b)
-            self._free.append(b)
-            n += 1
-        return n
-
-    def is_free(self, block_id: int) -> bool:
-        return self.ref_cnt[block_id] == 0

@@ -79,7 +79,7 @@ class KVCacheManager:
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Make sure seq.block_hashes covers its first `num_blocks` full blocks."""
         hashes = seq.block_hashes
-        bs, toks, salt = self.block_size, seq.token_ids, seq.request.lora_salt
+        bs, toks, salt = self.block_size, seq.token_ids, seq.request.cache_salt
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
             parent = hash_block(parent, tuple(toks[i * bs:(i + 1) * bs]), salt)
@@ -275,9 +275,6 @@ class KVCacheManager:
         return {"token_states": self.gpu.num_used * bs - internal, "reserved": 0, "internal_frag": internal,
                 "external_frag": 0, "free": self.gpu.num_free * bs}
 
-
-    def block_table(self, seq: Sequence) -> list[int]:
-        return self.tables[seq.seq_id]
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(

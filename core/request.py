@@ -114,7 +114,7 @@ class Request:
 
     __slots__ = (
         "request_id", "prompt_token_ids", "params", "priority", "arrival_time", "eos_token_id",
-        "seqs", "finished_seqs", "status", "metrics", "reject_reason", "lora_salt",
+        "seqs", "finished_seqs", "status", "metrics", "reject_reason", "cache_salt",
         "arrival_index", "prompt", "user_data", "_forked",
     )
 
@@ -137,7 +137,7 @@ class Request:
         self.priority = priority              # lower value = served first (vLLM convention)
         self.arrival_time = arrival_time
         self.eos_token_id = eos_token_id
-        self.lora_salt = cache_salt           # mixed into block hashes: isolates caches
+        self.cache_salt = cache_salt           # mixed into block hashes: isolates caches
         self.prompt = prompt
         self.user_data = user_data            # opaque to the core (backends attach state here)
         self.arrival_index = 0                # set by the scheduler: FCFS tie-break
@@ -155,9 +155,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    def live_seqs(self) -> list[Sequence]:
-        return self.seqs
 
     def all_seqs(self) -> list[Sequence]:
         return self.seqs + self.finished_seqs
