@@ -396,6 +396,22 @@ def test_cli_prints_error_without_traceback(tmp_path):
     assert run.stderr.startswith(f"error: {bad}, line 2: num_decode_tokens")
 
 
+def test_cli_help_explains_every_command_and_option():
+    """Each subcommand has a description and every argument a help text that says more
+    than its default (`--max-prompt-len` once read just 'default 1024')."""
+    import argparse
+    parser = traces.cli._parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands.choices) == {"build", "stats", "convert"}
+    for name, sub in commands.choices.items():
+        assert sub.description and len(sub.description) > 40, name
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            text = (action.help or "") % {"default": action.default}
+            assert len(text) > 20 and not text.startswith("default"), (name, action.dest, text)
+
+
 def test_cli_stats(capsys):
     assert cli_main(["stats", str(SHAREGPT_JSON)]) == 0
     out = capsys.readouterr().out
