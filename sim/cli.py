@@ -364,15 +364,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print()
         print(compare.format_sustainable(rows, bound))
     if args.plot:
-        from plots import figures
-        plot_dir = Path(args.plot)
-        top = max(rates)
-        figures.latency_vs_rate(rows, plot_dir / "latency_vs_rate.png",
-                                title=f"Normalized latency vs request rate ({configs[0][1].model})", bound=bound)
-        figures.memory_breakdown({r["policy"]: {c: r[f"{c}_share"] or 0.0 for c in figures.BREAKDOWN_ORDER}
-                                  for r in rows if r["rate"] == top}, plot_dir / "memory_breakdown.png",
-                                 title=f"KV memory in use, time-averaged ({top:g} req/s)")
-        print(f"plots in {plot_dir}/")
+        compare.plot_comparison(rows, args.plot, config=base, trace=args.trace, bound=bound)
+        print(f"plots in {args.plot}/")
     print(f"wrote {out}")
     return 0
 
