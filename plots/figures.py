@@ -98,7 +98,9 @@ def latency_vs_rate(rows: Iterable[Mapping], out: str | Path, *, metric: str = "
                         color=style["color"], clip_on=False, zorder=4)
                 below = off_chart[x] = off_chart.get(x, 0) + 1
                 ax.annotate(f"{y:.3g}", (x, ymax), textcoords="offset points", xytext=(0, -2 - 9 * below),
-                            ha="center", fontsize=7, color=style["color"])
+                            ha="center", fontsize=7, color=style["color"], zorder=5,
+                            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none",
+                                  "alpha": 0.85})
     if bound is not None:
         ax.axhline(bound, color="grey", linestyle="--", linewidth=1, label=f"bound {bound:.3g} s/token")
     ax.set_xlabel("Request rate (req/s)")
