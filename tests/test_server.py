@@ -519,6 +519,14 @@ def test_smollm2_chat_answers_paris():
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
         assert r.choices[0].finish_reason in ("stop", "length")
+        # min_tokens: the model wants to stop after a few tokens; it must not emit EOS (or the
+        # <|im_start|> of a new turn after it) before 28 tokens exist.
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=30, temperature=0,
+                                           logprobs=True, extra_body={"min_tokens": 28},
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        assert len(tokens) >= 28 and r.usage.completion_tokens == len(tokens)
+        assert not {"<|im_end|>", "<|im_start|>"} & set(tokens[:28]), tokens
 
 
 def test_engine_crash_is_reported(tiny_dir):
