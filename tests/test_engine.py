@@ -458,3 +458,30 @@ def test_smollm2_min_tokens_never_emits_eos_early(smol):
     assert eos not in out.token_ids[:28], out.token_ids
     assert out.token_ids[:len(base.token_ids) - 1] == base.token_ids[:-1]  # same text up to where EOS was
     assert len(out.token_ids) >= 28
+
+
+def test_beam_search_refuses_stop_strings(plain):
+    # Beams are detokenized only at the end, so stop strings would be silently ignored: refuse.
+    with pytest.raises(InvalidRequestError, match="not supported with beam search") as err:
+        plain.generate(PROMPTS[0], SamplingParams(beam_width=2, max_tokens=4, stop=["x"]))
+    assert err.value.param == "stop"
+    assert not plain.engine.has_unfinished_requests()
+    (out,) = plain.generate(PROMPTS[0], SamplingParams(beam_width=2, max_tokens=4, stop_token_ids=[7]))
+    assert len(out.outputs) == 2                 # stop token ids are fine: the core checks them per beam
+
+
+def test_invalid_request_names_the_parameter(plain):
+    for kwargs, param in [(dict(n=0), "n"), (dict(temperature=float("inf")), "temperature"),
+                          (dict(seed=2**64), "seed"), (dict(cache_salt=""), "cache_salt")]:
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(**kwargs)
+        assert err.value.param == param
+    with pytest.raises(InvalidRequestError) as err:
+        plain.generate([10**6], SamplingParams())
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as err:
+        plain.generate([5], SamplingParams(stop_token_ids=[256]))
+    assert err.value.param == "stop_token_ids"
+    with pytest.raises(InvalidRequestError) as err:           # n=600 sequences > max_num_seqs 256
+        plain.generate(PROMPTS[0], SamplingParams(n=600))
+    assert err.value.param == "n" and "req-" not in str(err.value)
