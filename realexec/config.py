@@ -35,7 +35,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(False, "reuse KV blocks of identical prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
     watermark: float = _arg(0.01, "fraction of KV blocks new admissions must leave free")
-    queue_policy: str = _arg("fcfs", "waiting-queue order: fcfs | priority | sjf")
+    queue_policy: str = _arg("fcfs", "waiting-queue order: fcfs | priority | sjf | lpm")
     preemption_mode: str = _arg("recompute", "recompute | swap | auto")
     victim_policy: str = _arg("newest", "preemption victim: newest | lowest-priority | least-computed")
     eviction_policy: str = _arg("lru", "cached-block eviction: lru | lfu | fifo")
@@ -60,6 +60,8 @@ class EngineArgs:
             raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention-backend must be torch or triton, got {self.attention_backend!r}")
+        from policies import PolicySet
+        PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
 
     def policy_names(self) -> dict[str, str]:
         return {"queue": self.queue_policy, "preemption": self.preemption_mode,
