@@ -24,7 +24,9 @@ class SwapSpaceExhaustedError(RuntimeError):
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: object = None) -> int:
-    """Chained prefix hash: a block's identity is its tokens *and* everything before it."""
+    """Chained prefix hash: a block's identity is its tokens *and* everything before it
+    (through the parent block's hash) *and* its cache salt. The one place the hash is
+    computed: swapping in another hash function changes only this body."""
     return hash((parent_hash, token_ids, salt))
 
 
