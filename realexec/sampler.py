@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from core import ModelRunnerOutput, ScheduledSeq
+from core.step_message import ModelRunnerOutput
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -59,8 +59,8 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[ScheduledSeq]) -> ModelRunnerOutput:
-        """logits [len(rows), V] fp32; rows: the scheduled sequences with num_samples > 0."""
+    def __call__(self, logits: torch.Tensor, rows: list) -> ModelRunnerOutput:
+        """logits [len(rows), V] fp32; rows: the sequences that sample (`.seq`, `.num_samples`)."""
         greedy, random, beam, want_logprobs = [], [], [], []
         for i, s in enumerate(rows):
             params = s.seq.request.params
