@@ -25,6 +25,7 @@ from core.contiguous import ContiguousKVCacheManager
 from core.kv_cache_manager import KVCacheManager
 from core.policy_api import PolicyBundle
 from core.request import Request, RequestStatus, Sequence
+from core.step_message import ModelRunnerOutput  # noqa: F401  (the executor's reply; re-exported)
 
 RUNNING = RequestStatus.RUNNING
 
@@ -83,20 +84,6 @@ class SchedulerOutput:
     @property
     def num_seqs(self) -> int:
         return len(self.scheduled)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What an executor returns for the sequences that sampled (num_samples > 0).
-
-    token_ids[seq_id]: num_samples tokens (n > 1 before the fork: one per child; beam
-    search: the beam's best candidates, best first). logprobs aligned with token_ids
-    (required for beam search). top_logprobs: per token, {token_id: logprob} of the
-    top-k alternatives when a request asks for logprobs.
-    """
-    token_ids: dict[int, list[int]]
-    logprobs: dict[int, list[float]] | None = None
-    top_logprobs: dict[int, list[dict[int, float]]] | None = None
 
 
 @dataclass

@@ -22,7 +22,7 @@ from core import (CacheConfig, EngineCore, InvalidRequestError, Request, Request
 from core.request import RequestMetrics
 from policies import PolicySet
 from realexec.config import EngineArgs
-from realexec.executor import UniprocExecutor
+from realexec.executor import make_executor
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_BATCHED_TOKENS = 2048
@@ -89,7 +89,7 @@ class LLMEngine:
         args = replace(args, **overrides) if args is not None else EngineArgs(**overrides)
         args.validate()
         self.args = args
-        self.executor = UniprocExecutor(args)
+        self.executor = make_executor(args)
         self.model_config = self.executor.model_config
         self.tokenizer = self.executor.tokenizer
 
