@@ -576,8 +576,13 @@ class Scheduler:
         token for every running sequence with no admission, swap, preemption, copy-on-write
         or finish. 0 when the engine is not in such a steady state. Call between steps.
 
-        Assumes (as the simulator guarantees) that a waiting prompt never contains the
-        tokens running sequences are generating, so new cache entries cannot unblock it.
+        Admission during the span is ruled out by checking the queue's head once: with a
+        shrinking free pool the head stays inadmissible as long as the cache contents it
+        sees do not change. They change in two ways. New entries: assumed harmless (as the
+        simulator guarantees, a waiting prompt never contains the tokens running sequences
+        are generating). Evictions: they can shorten a waiting request's prefix hits (which
+        can lower its block demand) and reorder a cache-aware queue (lpm), so while a
+        request waits under prefix caching the span only uses blocks that evict nothing.
         """
         running = self.running
         if not running or self._finished:
@@ -614,6 +619,8 @@ class Scheduler:
         # Largest k whose block growth fits the free pool (growth is monotone in k).
         seqs = [seq for r in running for seq in r.seqs]
         free = kv.gpu.num_free
+        if kv.enable_prefix_caching and len(self.waiting) and not self.swapped:
+            free = kv.gpu.num_uncached_free
 
         def blocks_for(k: int) -> int:
             return sum(max(0, -(-(s.num_computed_tokens + k) // bs) - len(tables[s.seq_id])) for s in seqs)
