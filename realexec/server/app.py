@@ -352,14 +352,14 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
 
     # -- simple endpoints ---------------------------------------------------------------------
     @app.get("/health")
-    async def health():
+    async def health():             # 503 (not counted as a rejection) tells a load balancer to stop
         if server.draining:
-            return server.reject(ShuttingDownError("the server is shutting down"))
+            return as_api_error(ShuttingDownError("the server is shutting down")).response()
         if server.engine.is_running:
             return {"status": "ok"}
-        return server.reject(APIError(503, "the engine is not running" + (
+        return APIError(503, "the engine is not running" + (
             f": it failed with {server.engine.error!r}" if server.engine.error else ""),
-            type="server_error", code="engine_dead"))
+            type="server_error", code="engine_dead").response()
 
     @app.get("/v1/models")
     async def models():
