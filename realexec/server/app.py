@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DISCONNECT_POLL_S = 0.5
+MAX_UNKNOWN_FIELDS_LOGGED = 64
 logger = logging.getLogger("twinserve.server")
 
 
@@ -209,11 +210,14 @@ class OpenAIServer:
                                 f"or completion.", param=field, code="context_length_exceeded")
 
     def _log_unknown_fields(self, kind: type[BaseModel], data: dict) -> None:
-        unknown = set(data) - set(kind.model_fields) - self._unknown_fields_logged
+        seen = self._unknown_fields_logged
+        if len(seen) >= MAX_UNKNOWN_FIELDS_LOGGED:      # a client inventing names cannot flood the log
+            return
+        unknown = sorted(set(data) - set(kind.model_fields) - seen)[:MAX_UNKNOWN_FIELDS_LOGGED - len(seen)]
         if unknown:
-            self._unknown_fields_logged |= unknown
+            seen.update(unknown)
             logger.warning("ignoring unknown request field(s) %s (logged once per name)",
-                           ", ".join(sorted(unknown)))
+                           ", ".join(repr(name[:40]) for name in unknown))
 
     # -- helpers --------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
