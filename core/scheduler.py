@@ -105,7 +105,7 @@ class Scheduler:
                 cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
                 enable_prefix_caching=cache_config.enable_prefix_caching,
                 evictor=policies.eviction() if cache_config.enable_prefix_caching else None,
-                watermark=cache_config.watermark,
+                watermark=cache_config.watermark, hash_algo=cache_config.prefix_caching_hash_algo,
             )
         else:                          # a contiguous-reservation baseline (Orca-*)
             self.kv = ContiguousKVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks,

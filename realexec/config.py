@@ -9,6 +9,16 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from core import block_hasher, register_block_hasher
+from core.block_hash import make_digest_hasher
+
+try:                                 # the core imports only the stdlib: faster hashes come from here
+    import xxhash
+except ImportError:                  # pragma: no cover - xxhash is in the real extra
+    xxhash = None
+else:
+    register_block_hasher("xxhash", make_digest_hasher(xxhash.xxh3_128_digest))
+
 
 def _arg(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
@@ -39,6 +49,10 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute", "recompute | swap | auto")
     victim_policy: str = _arg("newest", "preemption victim: newest | lowest-priority | least-computed")
     eviction_policy: str = _arg("lru", "cached-block eviction: lru | lfu | fifo")
+    prefix_caching_hash_algo: str = _arg(
+        "sha256", "prefix-cache block key: sha256 (collision-resistant: one tenant's prompt cannot be made to "
+                  "hit another's cached KV) | xxhash (XXH3-128: faster, not cryptographic) | builtin "
+                  "(Python's 64-bit hash: fastest, collisions are easy to forge; trusted prompts only)")
     seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
@@ -80,6 +94,7 @@ class EngineArgs:
             raise ValueError(f"attention-backend must be torch or triton, got {self.attention_backend!r}")
         from policies import PolicySet
         PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
+        block_hasher(self.prefix_caching_hash_algo)
 
     def executor_backend(self) -> str:
         backend = self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")

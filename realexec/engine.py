@@ -105,7 +105,7 @@ class LLMEngine:
             else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
         cache_config = CacheConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                                   watermark=args.watermark)
+                                   watermark=args.watermark, prefix_caching_hash_algo=args.prefix_caching_hash_algo)
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                            max_model_len=self.max_model_len,
                                            enable_chunked_prefill=args.enable_chunked_prefill)

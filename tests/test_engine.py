@@ -173,6 +173,20 @@ def test_prefix_cache_hits_same_tokens(tiny, reference):
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == reference[3]
 
 
+@pytest.mark.parametrize("algo", ["sha256", "xxhash", "builtin"])
+def test_cache_salt_isolates_prefix_cache(tiny, reference, algo):
+    llm = tiny_llm(tiny, enable_prefix_caching=True, prefix_caching_hash_algo=algo)
+    salted = lambda salt: SamplingParams(max_tokens=32, cache_salt=salt, **GREEDY)  # noqa: E731
+    hits = lambda: llm.engine.scheduler.kv.stats().prefix_cache_hits              # noqa: E731
+    first = llm.generate(PROMPTS[3], salted("tenant-a"))[0]
+    other = llm.generate(PROMPTS[3], salted("tenant-b"))[0]
+    unsalted = llm.generate(PROMPTS[3], salted(None))[0]
+    assert hits() == 0 and other.metrics.num_cached_prompt_tokens == unsalted.metrics.num_cached_prompt_tokens == 0
+    again = llm.generate(PROMPTS[3], salted("tenant-a"))[0]
+    assert again.metrics.num_cached_prompt_tokens == (len(PROMPTS[3]) - 1) // 4 * 4 == hits()
+    assert all(o.outputs[0].token_ids == reference[3] for o in (first, other, unsalted, again))
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_same_tokens(tiny, reference, mode):
     llm = tiny_llm(tiny, num_gpu_blocks=24, preemption_mode=mode)

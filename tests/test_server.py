@@ -374,6 +374,34 @@ def test_validation_contract(http, caplog):
     assert sum("frobnicate" in rec.getMessage() for rec in caplog.records) == 1
 
 
+def test_large_body_does_not_delay_other_requests(url, http):
+    """A 3.5 MB prompt is read, parsed and tokenized in a worker thread (then refused as too
+    long): small requests meanwhile are served as if it were not there."""
+    big = json.dumps({"prompt": "lorem ipsum dolor sit amet " * 130_000, "max_tokens": 2}).encode()
+    done = {}
+
+    def send_big():
+        with httpx.Client(base_url=url, timeout=120) as c:
+            done["resp"] = c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+            done["t"] = time.monotonic()
+    t = threading.Thread(target=send_big)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.3)                                    # the big one is being parsed / tokenized now
+    latencies = []
+    for _ in range(3):
+        s0 = time.monotonic()
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **IGNORE_EOS})
+        assert r.status_code == 200
+        latencies.append(time.monotonic() - s0)
+    small_done = time.monotonic()
+    t.join(120)
+    e = _error(done["resp"], 400, "prompt")
+    assert e["code"] == "context_length_exceeded"
+    assert done["t"] > small_done, "the big request finished first: the test proved nothing"
+    assert max(latencies) < 0.5 * (done["t"] - t0), (latencies, done["t"] - t0)
+
+
 def test_bad_requests_through_openai_client(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.completions.create(model=TINY, prompt="hi", max_tokens=-1)

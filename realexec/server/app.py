@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DISCONNECT_POLL_S = 0.5
+MAX_UNKNOWN_FIELDS_LOGGED = 64
 logger = logging.getLogger("twinserve.server")
 
 
@@ -209,11 +210,14 @@ class OpenAIServer:
                                 f"or completion.", param=field, code="context_length_exceeded")
 
     def _log_unknown_fields(self, kind: type[BaseModel], data: dict) -> None:
-        unknown = set(data) - set(kind.model_fields) - self._unknown_fields_logged
+        seen = self._unknown_fields_logged
+        if len(seen) >= MAX_UNKNOWN_FIELDS_LOGGED:      # a client inventing names cannot flood the log
+            return
+        unknown = sorted(set(data) - set(kind.model_fields) - seen)[:MAX_UNKNOWN_FIELDS_LOGGED - len(seen)]
         if unknown:
-            self._unknown_fields_logged |= unknown
+            seen.update(unknown)
             logger.warning("ignoring unknown request field(s) %s (logged once per name)",
-                           ", ".join(sorted(unknown)))
+                           ", ".join(repr(name[:40]) for name in unknown))
 
     # -- helpers --------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -352,14 +356,14 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
 
     # -- simple endpoints ---------------------------------------------------------------------
     @app.get("/health")
-    async def health():
+    async def health():             # 503 (not counted as a rejection) tells a load balancer to stop
         if server.draining:
-            return server.reject(ShuttingDownError("the server is shutting down"))
+            return as_api_error(ShuttingDownError("the server is shutting down")).response()
         if server.engine.is_running:
             return {"status": "ok"}
-        return server.reject(APIError(503, "the engine is not running" + (
+        return APIError(503, "the engine is not running" + (
             f": it failed with {server.engine.error!r}" if server.engine.error else ""),
-            type="server_error", code="engine_dead"))
+            type="server_error", code="engine_dead").response()
 
     @app.get("/v1/models")
     async def models():

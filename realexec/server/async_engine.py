@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from core import SamplingParams
 from realexec.server.errors import EngineDeadError, QueueFullError, RequestTimeoutError
@@ -106,13 +106,14 @@ class RequestStream:
         try:
             return await asyncio.wait_for(self.queue.get(), max(0.0, self.deadline - self.loop.time()))
         except asyncio.TimeoutError:
-            return RequestTimeoutError("the request took longer than the server's --request-timeout; "
-                                       "it was aborted")
+            # Still unfinished in the engine: the handler's abort(stream) frees it.
+            raise RequestTimeoutError("the request took longer than the server's --request-timeout; "
+                                      "it was aborted") from None
 
     async def _iterate(self):
         while self.unfinished:
             item = await self._next_item()
-            if isinstance(item, BaseException):
+            if isinstance(item, BaseException):     # the engine side dropped these requests
                 self.unfinished.clear()
                 raise item
             index, out = item
@@ -139,6 +140,8 @@ class AsyncEngine:
         # Engine-thread state: request id -> (stream, prompt index).
         self._streams: dict[str, tuple[RequestStream, int]] = {}
         self.error: BaseException | None = None
+        # Test hook: called on the engine thread before every step (raise to inject a fault).
+        self.before_step: Callable[[], None] | None = None
         self.stats = EngineStats()
         self._publish_stats()
 
@@ -225,6 +228,8 @@ class AsyncEngine:
                 for request_id in aborts:
                     self._abort(request_id)
                 if engine.has_unfinished_requests():
+                    if self.before_step is not None:
+                        self.before_step()
                     outputs = engine.step()
                     self._route(outputs, deliveries)
                 self._publish_stats()
