@@ -124,6 +124,9 @@ class OpenAIServer:
 
     async def start_stream(self, params: SamplingParams, *, prompts=None, messages=None, priority: int = 0,
                            request_id: str, param_name: str) -> RequestStream:
+        if self.llm_engine.is_sleeping:
+            raise APIError(503, "the engine is sleeping: POST /wake_up first", type="server_error",
+                           code="engine_sleeping")
         try:
             return await self.engine.generate(prompts, params, messages=messages, priority=priority,
                                               request_id=request_id)
@@ -208,6 +211,7 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
             yield
         finally:
             await asyncio.to_thread(server.engine.shutdown)
+            await asyncio.to_thread(engine.shutdown)           # worker processes / Ray actors
 
     app = FastAPI(title="twinserve", lifespan=lifespan)
     app.state.server = server
@@ -219,6 +223,24 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
         if server.engine.is_running:
             return {"status": "ok"}
         return APIError(503, "engine is not running", type="server_error", code="engine_dead").response()
+
+    if engine.args.enable_sleep_mode:              # development endpoints (vLLM's dev mode)
+        @app.post("/sleep")
+        async def sleep(level: int = 1):
+            try:
+                released = await asyncio.to_thread(engine.sleep, level)
+            except (ValueError, RuntimeError) as e:
+                return APIError(400 if isinstance(e, ValueError) else 409, str(e), code="sleep_refused").response()
+            return {"sleeping": True, "level": level, "released_bytes": released}
+
+        @app.post("/wake_up")
+        async def wake_up():
+            await asyncio.to_thread(engine.wake_up)
+            return {"sleeping": False}
+
+        @app.get("/is_sleeping")
+        async def is_sleeping():
+            return {"is_sleeping": engine.is_sleeping}
 
     @app.get("/v1/models")
     async def models():
