@@ -64,6 +64,8 @@ class EngineArgs:
     ray_cpus_per_worker: float | None = _arg(
         None, "ray: CPUs each rank's placement-group bundle reserves (default: the cluster's CPUs / ranks, "
               "at most 1, so that any tensor-parallel size fits on a small machine)")
+    enable_sleep_mode: bool = _arg(
+        False, "serve: expose POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (development endpoints)")
     worker_timeout: float = _arg(
         120.0, "mp/ray: seconds a step or RPC may wait on a worker before it is declared hung")
 

@@ -13,7 +13,7 @@ from itertools import accumulate
 
 import torch
 
-from core.kv_capacity import kv_blocks_per_rank
+from core.kv_capacity import kv_block_bytes_per_rank, kv_blocks_per_rank, kv_heads_per_rank
 from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from realexec.config import EngineArgs
@@ -156,7 +156,6 @@ class Worker:
         return kv_blocks_per_rank(budget, **geometry), kv_blocks_per_rank(self.args.swap_space * GiB, **geometry)
 
     def bytes_per_block(self) -> int:
-        from core.kv_capacity import kv_block_bytes_per_rank
         return kv_block_bytes_per_rank(**self._kv_geometry())
 
     @torch.inference_mode()
@@ -200,7 +199,7 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         cfg = self.model_config
-        shape = (self.args.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (self.args.block_size, kv_heads_per_rank(cfg.num_key_value_heads, self.world_size), cfg.head_dim)
         dtype = self.kv_dtype
         self.gpu_cache = [
             (torch.zeros(num_gpu_blocks, *shape, dtype=dtype, device=self.device),
