@@ -21,6 +21,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def sleep(self, level: int = 1) -> int:
+        """See LLMEngine.sleep: -> bytes of device memory released."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = False) -> list[RequestOutput]:
@@ -48,6 +58,8 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         engine = self.engine
+        if engine.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() before generating")
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

@@ -173,6 +173,20 @@ def test_prefix_cache_hits_same_tokens(tiny, reference):
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == reference[3]
 
 
+@pytest.mark.parametrize("algo", ["sha256", "xxhash", "builtin"])
+def test_cache_salt_isolates_prefix_cache(tiny, reference, algo):
+    llm = tiny_llm(tiny, enable_prefix_caching=True, prefix_caching_hash_algo=algo)
+    salted = lambda salt: SamplingParams(max_tokens=32, cache_salt=salt, **GREEDY)  # noqa: E731
+    hits = lambda: llm.engine.scheduler.kv.stats().prefix_cache_hits              # noqa: E731
+    first = llm.generate(PROMPTS[3], salted("tenant-a"))[0]
+    other = llm.generate(PROMPTS[3], salted("tenant-b"))[0]
+    unsalted = llm.generate(PROMPTS[3], salted(None))[0]
+    assert hits() == 0 and other.metrics.num_cached_prompt_tokens == unsalted.metrics.num_cached_prompt_tokens == 0
+    again = llm.generate(PROMPTS[3], salted("tenant-a"))[0]
+    assert again.metrics.num_cached_prompt_tokens == (len(PROMPTS[3]) - 1) // 4 * 4 == hits()
+    assert all(o.outputs[0].token_ids == reference[3] for o in (first, other, unsalted, again))
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_same_tokens(tiny, reference, mode):
     llm = tiny_llm(tiny, num_gpu_blocks=24, preemption_mode=mode)
@@ -459,3 +473,80 @@ def test_decode_through_graph_runner_padding_path_matches_plain(tiny):
     padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert padded == plain
     assert calls and max(calls) == 4              # decode batches went through the padded path
+
+
+# ----------------------------------------------------------------------------- min_tokens
+
+def _rows(specs):
+    """ScheduledSeq rows for the sampler: (prompt_len, num_outputs, SamplingParams, eos) each."""
+    from core import Request, ScheduledSeq
+
+    rows = []
+    for i, (prompt_len, outputs, params, eos) in enumerate(specs):
+        req = Request(f"m{i}", list(range(3, 3 + prompt_len)), params, eos_token_id=eos)
+        seq = req.seqs[0]
+        seq.token_ids.extend([5] * outputs)
+        rows.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, 1, []))
+    return rows
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_sampler_masks_eos_and_stop_ids_until_min_tokens(temperature):
+    from realexec.sampler import Sampler
+
+    eos, stop_id, vocab = 2, 7, 16
+    logits = torch.full((3, vocab), -5.0)
+    logits[:, eos] = 10.0                       # EOS is by far the best token ...
+    logits[:, stop_id] = 9.0                    # ... then the stop token ...
+    logits[:, 4] = 8.0                          # ... then an ordinary one
+    p = SamplingParams(temperature=temperature, max_tokens=30, min_tokens=3, stop_token_ids=[stop_id],
+                       logprobs=2)
+    rows = _rows([(4, 0, p, eos), (4, 2, p, eos), (4, 3, p, eos)])   # 0, 2, 3 outputs so far
+    for _ in range(5):
+        out = Sampler(seed=1)(logits.clone(), rows)
+        got = [out.token_ids[r.seq_id][0] for r in rows]
+        assert got[0] == got[1] == 4            # below min_tokens: EOS and stop ids are masked
+        if temperature == 0.0:
+            assert got[2] == eos                # min_tokens reached: EOS allowed again
+    # ignore_eos keeps EOS masked forever only through the stop-check; min_tokens masks stop ids alone
+    q = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=3, stop_token_ids=[stop_id], ignore_eos=True)
+    out = Sampler()(logits.clone(), _rows([(4, 0, q, eos)]))
+    assert list(out.token_ids.values()) == [[eos]]
+
+
+def test_smollm2_min_tokens_never_emits_eos_early(smol):
+    eos = smol.tokenizer.eos_token_id
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    base = smol.chat(conv, SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0]
+    assert base.finish_reason == "stop" and len(base.token_ids) < 28    # the model wants to stop early
+    out = smol.chat(conv, SamplingParams(temperature=0.0, max_tokens=30, min_tokens=28))[0].outputs[0]
+    assert eos not in out.token_ids[:28], out.token_ids
+    assert out.token_ids[:len(base.token_ids) - 1] == base.token_ids[:-1]  # same text up to where EOS was
+    assert len(out.token_ids) >= 28
+
+
+def test_beam_search_refuses_stop_strings(plain):
+    # Beams are detokenized only at the end, so stop strings would be silently ignored: refuse.
+    with pytest.raises(InvalidRequestError, match="not supported with beam search") as err:
+        plain.generate(PROMPTS[0], SamplingParams(beam_width=2, max_tokens=4, stop=["x"]))
+    assert err.value.param == "stop"
+    assert not plain.engine.has_unfinished_requests()
+    (out,) = plain.generate(PROMPTS[0], SamplingParams(beam_width=2, max_tokens=4, stop_token_ids=[7]))
+    assert len(out.outputs) == 2                 # stop token ids are fine: the core checks them per beam
+
+
+def test_invalid_request_names_the_parameter(plain):
+    for kwargs, param in [(dict(n=0), "n"), (dict(temperature=float("inf")), "temperature"),
+                          (dict(seed=2**64), "seed"), (dict(cache_salt=""), "cache_salt")]:
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(**kwargs)
+        assert err.value.param == param
+    with pytest.raises(InvalidRequestError) as err:
+        plain.generate([10**6], SamplingParams())
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as err:
+        plain.generate([5], SamplingParams(stop_token_ids=[256]))
+    assert err.value.param == "stop_token_ids"
+    with pytest.raises(InvalidRequestError) as err:           # n=600 sequences > max_num_seqs 256
+        plain.generate(PROMPTS[0], SamplingParams(n=600))
+    assert err.value.param == "n" and "req-" not in str(err.value)
