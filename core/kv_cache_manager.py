@@ -42,6 +42,10 @@ class KVCacheStats:
     num_evictions: int
 
     @property
+    def num_free_gpu_blocks(self) -> int:
+        return self.num_gpu_blocks - self.num_used_gpu_blocks
+
+    @property
     def gpu_usage(self) -> float:
         return self.num_used_gpu_blocks / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
 
