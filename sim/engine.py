@@ -20,7 +20,7 @@ is sampled from the core and weighted by the step's duration (`sim.memory`).
 Event skipping. After every normal step the engine asks the core for its steady-decode
 horizon h (steps that would each decode one token for every running sequence with no
 admission, swap, preemption, copy-on-write or finish). It runs k <= h of them in bulk
-with `Scheduler.fast_forward`, where k stops before the first step that would start at
+with `core.event_skipping.fast_forward`, where k stops before the first step that would start at
 or after the next arrival. Per-step durations come from the same cost-model call the
 step-by-step mode makes, summed in the same order, and each skipped step's memory
 sample follows in closed form from the state before the span (`sim.memory.SpanModel`,
@@ -41,6 +41,7 @@ import simpy
 
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
+from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
 from core.metrics import RequestRecord
 from policies import PolicySet
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
@@ -444,14 +445,14 @@ class SimEngine:
     def _skip(self):
         """Fast-forward through steady decode steps that start before the next arrival."""
         sched = self.scheduler
-        horizon = sched.steady_decode_horizon()
+        horizon = steady_decode_horizon(sched)
         if horizon <= 0:
             return
         t = start = self.clock
         limit = self._next_event()
         if limit <= t:
             return
-        num_seqs, context_sum = sched.steady_decode_shape()
+        num_seqs, context_sum = steady_decode_shape(sched)
         step_times = self.executor.decode_step_times
         # Step times never shrink as contexts grow, so at most (limit - t) / d0 + 1 steps
         # start before the arrival: price only those (the loop below extends if needed).
@@ -511,7 +512,7 @@ class SimEngine:
         mem_means = [(a - b) / span for a, b in zip(self.memory.w[:4], mem_before[:4])]
         self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs,
                                 num_seqs, 0, *mem_means))
-        result = sched.fast_forward(k, ends, self.executor.token_ids)
+        result = fast_forward(sched, k, ends, self.executor.token_ids)
         if gpu.num_used != used:
             raise RuntimeError(f"event skipping: KV usage {gpu.num_used} after {k} steps, expected {used}")
         if CHECK_SPANS and memory_sample(sched) != span_at(k - 1, used):   # the state now = the span's last step

@@ -20,7 +20,7 @@ EOS = 3
 
 
 def _pool_consistent(kv):
-    spares = [r for regions in getattr(kv, "_spares", {}).values() for r in regions]
+    spares = kv.spare_regions() if hasattr(kv, "spare_regions") else []
     for pool, tables in ((kv.gpu, kv.tables), (kv.cpu, kv.cpu_tables)):
         holders = [0] * pool.num_blocks
         for t in list(tables.values()) + (spares if pool is kv.gpu else []):
@@ -200,11 +200,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sorted(ids) == sorted(self.requests), "a request was lost or reported twice"
         kv = self.sched.kv
         assert kv.gpu.num_used == 0 and kv.cpu.num_used == 0, "blocks leaked"
-        assert not getattr(kv, "_spares", None), "reserved regions leaked"
+        assert not (hasattr(kv, "spare_regions") and kv.spare_regions()), "reserved regions leaked"
         assert not kv.tables and not kv.cpu_tables
         event(f"preempted={self.sched.num_preemptions > 0}")
         event(f"swapped={self.sched.num_swaps > 0}")
-        event(f"prefix hits={kv.prefix_hits > 0}")
+        event(f"prefix hits={kv.stats().prefix_cache_hits > 0}")
         event(f"beam={any(r.params.beam_width for r in self.finished)}")
         event(f"allocation={self.sched.policies.allocation}")
         event(f"watermark={self.sched.kv.watermark_blocks > 0}")
