@@ -9,6 +9,12 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from policies import REGISTRY
+
+
+def _names(kind: str) -> str:
+    return " | ".join(REGISTRY[kind])
+
 
 def _arg(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
@@ -35,10 +41,10 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(False, "reuse KV blocks of identical prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
     watermark: float = _arg(0.01, "fraction of KV blocks new admissions must leave free")
-    queue_policy: str = _arg("fcfs", "waiting-queue order: fcfs | priority | sjf")
-    preemption_mode: str = _arg("recompute", "recompute | swap | auto")
-    victim_policy: str = _arg("newest", "preemption victim: newest | lowest-priority | least-computed")
-    eviction_policy: str = _arg("lru", "cached-block eviction: lru | lfu | fifo")
+    queue_policy: str = _arg("fcfs", f"waiting-queue order: {_names('queue')}")
+    preemption_mode: str = _arg("recompute", f"preemption mode: {_names('preemption')}")
+    victim_policy: str = _arg("newest", f"preemption victim: {_names('victim')}")
+    eviction_policy: str = _arg("lru", f"cached-block eviction: {_names('eviction')}")
     seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
