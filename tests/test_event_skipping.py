@@ -12,6 +12,7 @@ import os
 from hypothesis import given, settings, strategies as st
 
 from core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
+from core.event_skipping import fast_forward, steady_decode_horizon
 from core.metrics import RequestRecord
 from policies import REGISTRY, PolicySet
 from tests.toy_executor import ToyExecutor, next_token
@@ -66,11 +67,11 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
         t += 1
         sched.update(out, res, float(t))
         if fast:
-            k = sched.steady_decode_horizon()
+            k = steady_decode_horizon(sched)
             if i < len(arrivals):
                 k = min(k, arrivals[i][0] - t)
             if k > 0:
-                sched.fast_forward(k, [float(t + j + 1) for j in range(k)], token_fn)
+                fast_forward(sched, k, [float(t + j + 1) for j in range(k)], token_fn)
                 t += k
                 skipped += k
     assert sched.kv.gpu.num_used == 0
