@@ -42,6 +42,14 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            # The cap splits long prompts into chunks; without chunking such a prompt could
+            # never be scheduled (it would wait forever).
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} caps a prompt's chunk per "
+                f"step, which needs chunked prefill: enable chunked prefill or set the threshold to 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

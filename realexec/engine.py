@@ -14,6 +14,7 @@ one RequestOutput with the text so far and the delta since the previous step.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -22,7 +23,7 @@ from core import (CacheConfig, EngineCore, InvalidRequestError, Request, Request
 from core.request import RequestMetrics
 from policies import PolicySet
 from realexec.config import EngineArgs
-from realexec.executor import UniprocExecutor
+from realexec.executor import make_executor
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_BATCHED_TOKENS = 2048
@@ -89,7 +90,14 @@ class LLMEngine:
         args = replace(args, **overrides) if args is not None else EngineArgs(**overrides)
         args.validate()
         self.args = args
-        self.executor = UniprocExecutor(args)
+        self.executor = make_executor(args)
+        try:
+            self._init_engine(args)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init_engine(self, args: EngineArgs) -> None:
         self.model_config = self.executor.model_config
         self.tokenizer = self.executor.tokenizer
 
@@ -123,6 +131,9 @@ class LLMEngine:
         self.num_steps = 0
         self.step_time = 0.0
         self.detokenize_time = 0.0
+        self.sleep_level = 0
+        # step() and sleep()/wake_up() may come from different threads (server endpoints).
+        self._lock = threading.RLock()
 
     def _resolve_max_model_len(self, num_gpu_blocks: int) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -204,7 +215,15 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; outputs of the requests that progressed or finished."""
+        """Run one engine step; outputs of the requests that progressed or finished.
+        While asleep nothing runs: queued requests wait for wake_up()."""
+        with self._lock:
+            if self.sleep_level:
+                time.sleep(0.01)              # callers that loop on step() do not spin
+                return []
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         result = self.core.step()
         t1 = time.perf_counter()
@@ -305,6 +324,42 @@ class LLMEngine:
             logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
             finish_reason=reason, stop_reason=st.stop_reason,
             text_delta=delta_text, token_ids_delta=delta_ids)
+
+    # -- sleep / wake up, shutdown ------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_level)
+
+    def sleep(self, level: int = 1) -> int:
+        """Release the workers' device memory (level 1: weights to CPU memory, KV cache
+        dropped; level 2: both dropped) -> bytes released over all ranks. Only with no
+        request running or swapped (their KV would be lost); waiting requests stay queued
+        and run after wake_up(). The prefix cache is reset (its blocks' contents are gone)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._lock:
+            if self.sleep_level:
+                return 0
+            sched = self.scheduler
+            if sched.num_running or sched.num_swapped:
+                raise RuntimeError(f"cannot sleep with {sched.num_running} running and {sched.num_swapped} "
+                                   f"swapped requests: let them finish or abort them first")
+            released = self.executor.sleep(level)
+            reset = getattr(self.scheduler.kv.gpu, "reset_cache", None)   # contiguous pools cache nothing
+            if reset is not None:
+                reset()
+            self.sleep_level = level
+            return released
+
+    def wake_up(self) -> None:
+        with self._lock:
+            if self.sleep_level:
+                self.executor.wake_up()
+                self.sleep_level = 0
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes, Ray actors); idempotent."""
+        self.executor.shutdown()
 
     # -- introspection ------------------------------------------------------------------------
     def timing_stats(self) -> dict[str, float]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from core import ModelRunnerOutput, ScheduledSeq
+from core.step_message import ModelRunnerOutput
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -43,7 +43,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
-def mask_stop_tokens_below_min(logits: torch.Tensor, rows: list[ScheduledSeq]) -> torch.Tensor:
+def mask_stop_tokens_below_min(logits: torch.Tensor, rows: list) -> torch.Tensor:
     """`logits` with each row's stop-token ids at -inf while its sequence has fewer than
     min_tokens outputs (a copy when anything is masked; the input is left alone)."""
     masked = None
@@ -81,8 +81,8 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[ScheduledSeq]) -> ModelRunnerOutput:
-        """logits [len(rows), V] fp32; rows: the scheduled sequences with num_samples > 0."""
+    def __call__(self, logits: torch.Tensor, rows: list) -> ModelRunnerOutput:
+        """logits [len(rows), V] fp32; rows: the sequences that sample (`.seq`, `.num_samples`)."""
         logits = mask_stop_tokens_below_min(logits, rows)
         greedy, random, beam, want_logprobs = [], [], [], []
         for i, s in enumerate(rows):

@@ -6,6 +6,7 @@ used where a real tokenizer and real text matter (stop strings, chat, the CLI).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -383,11 +384,61 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_cli_generate_chat_france():
-    r = run_cli("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "16",
+@pytest.mark.parametrize("max_tokens, finish", [(16, "[finish_reason: stop, 8 tokens]"),
+                                                 (4, "[finish_reason: length, 4 tokens (cut off")])
+def test_cli_generate_chat_france(max_tokens, finish):
+    """The answer, then its finish reason: a cut-off answer says so."""
+    r = run_cli("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", str(max_tokens),
                 "--temperature", "0", "--kv-cache-memory", "0.1", "--swap-space", "0")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    text, last = r.stdout.rstrip("\n").rsplit("\n", 1)
+    assert last.startswith(finish), r.stdout
+    assert ("Paris" in text) == (finish.startswith("[finish_reason: stop"))
+    assert "generating" not in r.stderr          # no progress bars when stderr is not a terminal
+
+
+# ----------------------------------------------------------------------------- progress bars
+
+def bar_counts(err: str, desc: str) -> list[tuple[int, int]]:
+    """(done, total) of every redraw of the tqdm bar `desc` in captured stderr."""
+    return [(int(a), int(b)) for a, b in re.findall(rf"{re.escape(desc)}:[^\r\n]*?(\d+)/(\d+) \[", err)]
+
+
+def test_generate_progress_counts_output_tokens(plain, capsys):
+    caps = (7, 12, 20, 3)
+    outs = plain.generate(PROMPTS, [SamplingParams(max_tokens=m, **GREEDY) for m in caps], use_tqdm=True)
+    counts = bar_counts(capsys.readouterr().err, "generating")
+    assert counts[-1] == (42, 42) and {total for _, total in counts} == {42}
+    assert [done for done, _ in counts] == sorted(done for done, _ in counts)      # never goes back
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(caps)
+    # n = 2: a request advances by its longest sample, not by the sum of its samples
+    plain.generate(PROMPTS[0], SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True),
+                   use_tqdm=True)
+    assert bar_counts(capsys.readouterr().err, "generating")[-1] == (5, 5)
+    plain.generate(PROMPTS[0], SamplingParams(max_tokens=5, **GREEDY))              # default: no bar
+    assert "generating" not in capsys.readouterr().err
+
+
+def test_bench_throughput_progress_counts_tokens(tiny, capsys):
+    from realexec.bench_throughput import run_ours
+
+    requests = list(zip(PROMPTS, (4, 9, 6, 1)))
+    stats = run_ours(tiny_llm(tiny).engine, requests, progress=True)
+    err = capsys.readouterr().err
+    assert stats["output_tokens"] == 20 and bar_counts(err, "twinserve")[-1] == (20, 20)
+    assert re.search(r"20/20 \[[^\]]*tok/s\]", err)                                 # the running rate
+
+
+def test_busy_ticker_leaves_done_or_clears_on_error(capsys):
+    from realexec.progress import busy
+
+    with busy("loading thing", enabled=True):
+        pass
+    assert re.search(r"loading thing: \d\d:\d\d, done\n", capsys.readouterr().err)
+    with pytest.raises(RuntimeError), busy("loading other", enabled=True):
+        raise RuntimeError("bad model")
+    err = capsys.readouterr().err
+    assert "loading other" in err and not re.search(r"loading other: [^\r]*\n", err)    # the line is wiped
 
 
 @pytest.mark.parametrize("args, message", [

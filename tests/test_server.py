@@ -534,6 +534,23 @@ def test_bench_serve_against_server(url, tmp_path, capsys):
     assert result["errors"] == [""] * 8
 
 
+def test_bench_serve_progress_bar_counts_requests(url, capsys):
+    import argparse
+    import asyncio
+    import re
+
+    from realexec import bench_serve
+
+    args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--url", url, "--trace", str(ROOT / "traces/sharegpt.json"), "--num-requests", "4", "--rate", "inf",
+         "--max-tokens-cap", "3"])
+    summary, _ = asyncio.run(bench_serve.benchmark(args, bench_serve.build_requests(args), progress=True))
+    err = capsys.readouterr().err
+    counts = [(int(a), int(b)) for a, b in re.findall(r"bench serve:[^\r\n]*?(\d+)/(\d+) \[", err)]
+    assert summary["completed"] == 4 and counts[-1] == (4, 4)
+    assert re.search(r"4/4 \[[^\]]*out tok/s, 0 in flight\]", err)
+
+
 def test_bench_serve_chat_endpoint_and_bad_args(url, tmp_path):
     import argparse
 

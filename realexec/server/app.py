@@ -253,6 +253,9 @@ class OpenAIServer:
     async def start_stream(self, prep: Prepared, request_id: str) -> RequestStream:
         if self.draining:
             raise ShuttingDownError("the server is shutting down; retry on another replica")
+        if self.llm_engine.is_sleeping:
+            raise APIError(503, "the engine is sleeping: POST /wake_up first", type="server_error",
+                           code="engine_sleeping", headers={"Retry-After": "1"})
         return await self.engine.generate(prep.prompt_token_ids, prep.params, priority=prep.req.priority,
                                           request_id=request_id, timeout=self.config.request_timeout)
 
@@ -348,6 +351,7 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
             yield
         finally:
             await asyncio.to_thread(server.engine.shutdown)
+            await asyncio.to_thread(engine.shutdown)           # worker processes / Ray actors
 
     app = FastAPI(title="twinserve", lifespan=lifespan)
     app.state.server = server
@@ -364,6 +368,24 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
         return APIError(503, "the engine is not running" + (
             f": it failed with {server.engine.error!r}" if server.engine.error else ""),
             type="server_error", code="engine_dead").response()
+
+    if engine.args.enable_sleep_mode:              # development endpoints (vLLM's dev mode)
+        @app.post("/sleep")
+        async def sleep(level: int = 1):
+            try:
+                released = await asyncio.to_thread(engine.sleep, level)
+            except (ValueError, RuntimeError) as e:
+                return APIError(400 if isinstance(e, ValueError) else 409, str(e), code="sleep_refused").response()
+            return {"sleeping": True, "level": level, "released_bytes": released}
+
+        @app.post("/wake_up")
+        async def wake_up():
+            await asyncio.to_thread(engine.wake_up)
+            return {"sleeping": False}
+
+        @app.get("/is_sleeping")
+        async def is_sleeping():
+            return {"is_sleeping": engine.is_sleeping}
 
     @app.get("/v1/models")
     async def models():
