@@ -61,7 +61,7 @@ def test_api_key_required_on_v1_and_protected_metrics(guarded):
     with httpx.Client(base_url=url, timeout=30) as anon:
         before = rejected(guarded, "invalid_api_key")
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
-                             ("POST", "/v1/nothing")):
+                             ("POST", "/v1/nothing"), ("GET", "/openapi.json")):
             resp = anon.request(method, path, json={"prompt": "hi"})
             e = _error(resp, 401)
             assert e["code"] == "invalid_api_key" and "Missing API key" in e["message"]
@@ -70,7 +70,7 @@ def test_api_key_required_on_v1_and_protected_metrics(guarded):
             e = _error(anon.get("/v1/models", headers={"Authorization": wrong}), 401)
             assert e["message"] == "Incorrect API key provided."
         assert anon.get("/health").json() == {"status": "ok"}          # always open
-        assert rejected(guarded, "invalid_api_key") == before + 8
+        assert rejected(guarded, "invalid_api_key") == before + 9
     bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
