@@ -569,6 +569,18 @@ def test_bench_serve_chat_endpoint_and_bad_args(url, tmp_path):
             bench_serve.run(parser.parse_args(["--url", url, *bad]))
 
 
+def test_server_modules_import_one_way():
+    """errors <- metrics <- async_engine <- app: no module imports one above it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import realexec.server.metrics; "
+            "assert 'realexec.server.async_engine' not in sys.modules and 'realexec.server.app' not in sys.modules; "
+            "import realexec.server.errors as e; import realexec.server.async_engine; "
+            "assert 'realexec.server.app' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
 def test_serve_parser():
 
     from realexec.cli import build_parser

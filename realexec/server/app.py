@@ -452,8 +452,9 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
 
 class _Guard:
     """ASGI middleware in front of every route: the API key (401, compared in constant
-    time) on /v1/* (and /metrics with --protect-metrics), 503 for new /v1 requests while
-    draining, and the count of /v1 requests in flight (a stream counts until it ends)."""
+    time) on every route but /health (and /metrics unless --protect-metrics: the /v1 API,
+    the schema, the sleep-mode dev endpoints), 503 for new /v1 requests while draining,
+    and the count of /v1 requests in flight (a stream counts until it ends)."""
 
     def __init__(self, app, server: OpenAIServer):
         self.app = app
@@ -467,7 +468,7 @@ class _Guard:
         path: str = scope["path"]
         server = self.server
         api = path == "/v1" or path.startswith("/v1/")
-        protected = api or (path == "/metrics" and server.config.protect_metrics)
+        protected = path != "/health" and (path != "/metrics" or server.config.protect_metrics)
         if protected and self.expected is not None:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
