@@ -91,8 +91,9 @@ class LengthBucketedTorchBackend(TorchAttentionBackend):
 
 class Worker:
     def __init__(self, args: EngineArgs, rank: int = 0, world_size: int = 1, local_rank: int | None = None,
-                 distributed_init_method: str | None = None):
+                 distributed_init_method: str | None = None, with_tokenizer: bool = True):
         self.args = args
+        self.with_tokenizer = with_tokenizer      # executors with remote workers load their own
         self.rank = rank
         self.world_size = world_size
         self.local_rank = rank if local_rank is None else local_rank
@@ -127,7 +128,8 @@ class Worker:
         """-> the ModelConfig (the tokenizer stays on the worker: `self.tokenizer`)."""
         args = self.args
         self.model, self.model_config, self.tokenizer = load_model(
-            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp)
+            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp,
+            with_tokenizer=self.with_tokenizer)
         check_tensor_parallel(self.model_config, self.world_size)
         sampler = Sampler(self.device, args.seed) if self.tp.is_driver else None
         self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp)
@@ -292,7 +294,7 @@ class Worker:
             return
         if self.sleep_level == 2:
             fresh, _, _ = load_model(self.args.model, self.args.dtype, self.device,
-                                     attn_backend=self._backend(), tp=self.tp)
+                                     attn_backend=self._backend(), tp=self.tp, with_tokenizer=False)
             sources = dict(fresh.named_parameters())
         else:
             sources = self._offloaded
