@@ -42,6 +42,8 @@ COMMANDS: dict[str, Command | dict] = {
                               "realexec.bench_throughput:add_arguments", "realexec.bench_throughput:run"),
         "serve": Command("serving benchmark: stream a trace's requests at a rate to an OpenAI-compatible server",
                          "realexec.bench_serve:add_arguments", "realexec.bench_serve:run"),
+        "executors": Command("uni / mp / ray executors: step-message bytes, RPC overhead, tok/s; SmolLM2 TP=1 vs 3",
+                             "realexec.bench_executors:add_arguments", "realexec.bench_executors:run"),
         "kernels": Command("CUDA: Triton decode-attention bandwidth, and decode step graph vs eager",
                            "realexec.bench_graphs:add_kernels_arguments", "realexec.bench_graphs:run_kernels"),
     },

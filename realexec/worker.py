@@ -9,6 +9,7 @@ same code runs in the engine's process, in a worker process, or in a Ray actor.
 """
 from __future__ import annotations
 
+import time
 from itertools import accumulate
 
 import torch
@@ -109,6 +110,7 @@ class Worker:
         self._cache_blocks = (0, 0)
         self.sleep_level = 0                 # 0 awake; 1 weights offloaded, KV dropped; 2 both dropped
         self._offloaded: dict[str, torch.Tensor] = {}
+        self.execute_time = 0.0              # seconds inside execute_model (the worker's own share of a step)
 
     # -- setup ----------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -236,6 +238,7 @@ class Worker:
         """The driver's sampled tokens; None on the other ranks."""
         if self.sleep_level:
             raise RuntimeError(f"rank {self.rank} is asleep (level {self.sleep_level}): wake_up first")
+        t0 = time.perf_counter()
         # Order matters: a swapped-out block may be reused by a swap-in or a copy this step.
         if msg.blocks_to_swap_out:
             self.swap_out(msg.blocks_to_swap_out)
@@ -243,7 +246,9 @@ class Worker:
             self.swap_in(msg.blocks_to_swap_in)
         if msg.blocks_to_copy:
             self.copy_blocks(msg.blocks_to_copy)
-        return self.runner.execute_model(msg)
+        result = self.runner.execute_model(msg)
+        self.execute_time += time.perf_counter() - t0
+        return result
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block) pairs: device pool -> swap pool."""
@@ -320,7 +325,8 @@ class Worker:
 
     def get_timings(self) -> dict[str, float]:
         r = self.runner
-        return {"prepare_s": r.prepare_time, "forward_s": r.forward_time, "steps": r.num_steps}
+        return {"prepare_s": r.prepare_time, "forward_s": r.forward_time, "execute_s": self.execute_time,
+                "steps": r.num_steps}
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights and in its device KV cache."""

@@ -9,6 +9,7 @@ Engines and the Ray cluster are created once per module (worker start-up dominat
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -214,23 +215,63 @@ def test_mp_hung_worker_named_then_killed(mp_llm):
         mp_llm.engine.step()
 
 
-def test_mp_killed_worker_named(tiny):
-    llm = LLM(model=tiny, tensor_parallel_size=2, distributed_executor_backend="mp", block_size=4,
-              num_gpu_blocks=64)
-    pids = llm.engine.executor.pids
+def test_mp_killed_worker_server_503_and_unhealthy(tiny):
+    """Kill rank 1 while the server streams a completion: the request fails with a 503 that
+    names the rank and the signal, /health turns 503, and no worker process is left."""
+    import httpx
+
+    from realexec.engine import LLMEngine
+    from realexec.server.app import create_app
+    from tests.test_server import serve
+
+    engine = LLMEngine(model=tiny, tensor_parallel_size=2, distributed_executor_backend="mp", block_size=4,
+                       num_gpu_blocks=64)
+    pids = engine.executor.pids
+    body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True, "logprobs": 1}          # logprobs: one event per token (no tokenizer, no text)
     try:
-        llm.engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, **GREEDY))
-        llm.engine.step()
-        os.kill(pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(WorkerError, match=r"worker rank 1 failed: process \d+ died during step \d+ "
-                                              r"\(killed by signal SIGKILL\)"):
-            while True:
-                llm.engine.step()
-        assert time.monotonic() - t0 < 10
+        with serve(create_app(engine, served_model_name="m")) as url, httpx.Client(timeout=60) as client:
+            assert client.get(f"{url}/health").status_code == 200
+            with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert r.status_code == 200 and next(lines).startswith("data: ")
+                os.kill(pids[1], signal.SIGKILL)
+                t0 = time.monotonic()
+                rest = "\n".join(lines)
+            assert time.monotonic() - t0 < 10
+            assert re.search(r"worker rank 1 failed: process \d+ died during step \d+ \(killed by signal SIGKILL\)",
+                             rest), rest[-500:]
+            assert client.get(f"{url}/health").status_code == 503
+            again = client.post(f"{url}/v1/completions", json={**body, "stream": False})
+            assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
         assert_gone(pids)
     finally:
-        llm.shutdown()
+        engine.shutdown()
+
+
+def test_server_sleep_endpoints(tiny):
+    import httpx
+
+    from realexec.engine import LLMEngine
+    from realexec.server.app import create_app
+    from tests.test_server import serve
+
+    body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    plain = create_app(LLMEngine(model=tiny, block_size=4, num_gpu_blocks=64), served_model_name="m")
+    with serve(plain) as url, httpx.Client(timeout=60) as client:
+        assert client.post(f"{url}/sleep").status_code == 404           # dev endpoints off by default
+    engine = LLMEngine(model=tiny, block_size=4, num_gpu_blocks=64, enable_sleep_mode=True)
+    with serve(create_app(engine, served_model_name="m")) as url, httpx.Client(timeout=60) as client:
+        before = client.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        assert client.post(f"{url}/sleep", params={"level": 3}).status_code == 400
+        r = client.post(f"{url}/sleep", params={"level": 1})
+        assert r.status_code == 200 and r.json()["released_bytes"] > 0
+        assert client.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        asleep = client.post(f"{url}/v1/completions", json=body)
+        assert asleep.status_code == 503 and asleep.json()["error"]["code"] == "engine_sleeping"
+        assert client.post(f"{url}/wake_up").status_code == 200
+        assert client.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert client.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"] == before
 
 
 def test_tp_refused_when_heads_do_not_split(tiny):
