@@ -44,6 +44,8 @@ COMMANDS: dict[str, Command | dict] = {
                          "realexec.bench_serve:add_arguments", "realexec.bench_serve:run"),
         "chaos": Command("good traffic under malformed, oversized, disconnecting and timing-out traffic",
                          "realexec.bench_chaos:add_arguments", "realexec.bench_chaos:run"),
+        "executors": Command("uni / mp / ray executors: step-message bytes, RPC overhead, tok/s; SmolLM2 TP=1 vs 3",
+                             "realexec.bench_executors:add_arguments", "realexec.bench_executors:run"),
         "kernels": Command("CUDA: Triton decode-attention bandwidth, and decode step graph vs eager",
                            "realexec.bench_graphs:add_kernels_arguments", "realexec.bench_graphs:run_kernels"),
     },

@@ -47,7 +47,7 @@ class RayWorkerActor:
     def start(self, init_method: str) -> int:
         from realexec.worker import Worker
         self.worker = Worker(self.args, rank=self.rank, world_size=self.world_size, local_rank=0,
-                             distributed_init_method=init_method)
+                             distributed_init_method=init_method, with_tokenizer=False)
         return os.getpid()
 
     def execute(self, data: bytes):
@@ -129,20 +129,32 @@ class RayExecutor(ExecutorBase):
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except Exception as e:       # RayActorError (died), RayTaskError (raised)
-                    rank = refs.index(ref)
-                    died = isinstance(e, ray.exceptions.RayActorError)
-                    cause = "its actor died" if died else "raised"
-                    raise self._fail(WorkerError(rank, f"{cause} during {what}: {type(e).__name__}: "
-                                                       f"{str(e).strip().splitlines()[0][:300]}")) from None
+            failures = self._failures(refs, ready)
+            if failures:
+                if pending and not any(died for _, died, _ in failures):
+                    # A peer's death makes the others' collectives fail: look for the dead one.
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=3.0)
+                    failures += self._failures(refs, more)
+                rank, died, e = sorted(failures, key=lambda f: (not f[1], f[0]))[0]
+                cause = "its actor died" if died else "raised"
+                raise self._fail(WorkerError(rank, f"{cause} during {what}: {type(e).__name__}: "
+                                                   f"{str(e).strip().splitlines()[0][:300]}"))
             if pending and time.monotonic() > deadline:
                 late = [refs.index(r) for r in pending]
                 raise self._fail(WorkerError(late[0], f"no result for {what} within {self.args.worker_timeout:g} s "
                                                       f"(ranks without a result: {late})"))
         return ray.get(list(refs))
+
+    def _failures(self, refs: list, ready: list) -> list[tuple[int, bool, Exception]]:
+        """(rank, died, error) of the ready references that failed."""
+        ray = self._ray
+        out = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:           # RayActorError (died), RayTaskError (raised)
+                out.append((refs.index(ref), isinstance(e, ray.exceptions.RayActorError), e))
+        return out
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         return self._get([a.rpc.remote(method, tuple(args), kwargs or {}) for a in self.actors], method)
