@@ -99,6 +99,7 @@ class Replica(SimEngine):
         self._span: Span | None = None
         self.process: simpy.Process | None = None
         self.after_step = None                # callback(replica) after every step (sim.disagg)
+        self.before_update = None             # callback(out, end) before a step's update (sim.disagg)
         self._woken_at = 0.0                  # exact time of the delivery that ended an idle wait
 
     # -- what the router sees ----------------------------------------------------------
@@ -134,6 +135,15 @@ class Replica(SimEngine):
         elif self._wake is not None and not self._wake.triggered:
             self._woken_at = now
             self._wake.succeed()
+
+    def interrupt_at(self, t: float) -> None:
+        """Stop a pending span at the step boundary at or after t (something outside the
+        replica is about to change its KV pool, e.g. a KV transfer)."""
+        self.sync(t)
+        span = self._span
+        if span is not None and span.cut is None:
+            span.cut = span.done
+            self.process.interrupt()
 
     def wake_if_idle(self) -> None:
         if self._wake is not None and not self._wake.triggered:
@@ -198,6 +208,8 @@ class Replica(SimEngine):
             # be at the step's end (see the module docstring); stamps use `end`.
             self.num_steps += 1
             self.num_normal_steps += 1
+            if self.before_update is not None:
+                self.before_update(out, end)
             self._finish(update(out, result, end).finished)
             yield env.timeout(max(0.0, end - env.now))
             self.clock = end
