@@ -17,8 +17,11 @@ Life of a request:
   5. on arrival the reserved blocks are published in the decode replica's prefix cache
      under the prompt's block hashes and the request (prompt + first token, max_tokens
      = traced output - 1) enters the decode replica, whose admission finds the prompt
-     cached and computes only the tail (< one block + the first token); the reservation
-     is dropped once the request is admitted (its own references keep the blocks).
+     cached and computes only the tail (< one block + the first token). From arrival on
+     the blocks are cached but unreferenced: should the decode replica need memory
+     before it admits the request, they are evicted (tail first) and the lost part of
+     the prompt is recomputed there; holding them until admission can deadlock a full
+     decode replica.
 A request's record joins both halves: arrival, TTFT and first scheduling from the
 prefill side, the remaining token times and finish from the decode side (so TPOT counts
 the transfer and any wait for decode memory, as DistServe measures it).
@@ -127,7 +130,6 @@ class DisaggFleet(Fleet):
             r.max_tokens = [max(1, m - 1) for m in out_lens]
             r.after_step = self._decode_after_step
             r.queue = deque()                           # transfers waiting for this replica's memory
-            r.holding = []                              # arrived transfers not yet admitted
         self.out_lens = out_lens
         self._holds: dict[str, list[int]] = {}      # prefill request id -> blocks kept for sending
         self.transfers: list[Transfer] = []
@@ -196,6 +198,7 @@ class DisaggFleet(Fleet):
         src = t.source
         src.interrupt_at(t.done)
         src.scheduler.kv.gpu.free(reversed(t.held))
+        src.wake(t.done)                                 # it may have been blocked on these blocks
         self._arrive(t)
 
     def _queued_blocks(self, d: Replica) -> int:
@@ -206,12 +209,13 @@ class DisaggFleet(Fleet):
         """Start the queued transfers to `d` that its pool can now hold (FIFO)."""
         kv = d.scheduler.kv
         bs = d.resolved.cache.block_size
+        d.sync(now)                                      # its pool as of now
         while d.queue:
             t = d.queue[0]
             need = -(-(len(t.prompt) - 1) // bs)         # the prompt's KV (the first token is computed there)
             if not kv.can_admit(need):
                 break
-            d.interrupt_at(now)
+            d.interrupt_at(now)                          # a pending span must not see the pool shrink
             d.queue.popleft()
             t.reserved = kv.gpu.allocate(need)
             t.reserved_at = now
@@ -232,24 +236,17 @@ class DisaggFleet(Fleet):
         kv.find_cached_prefix(seq)                       # computes the prompt's block hashes
         for block, h in zip(t.reserved, seq.block_hashes):
             kv.gpu.register(block, h)
+        kv.gpu.free(reversed(t.reserved))                # cached, evictable: the tail first
         t.request = request
-        d.holding.append(t)
         self._in_flight -= 1
         d.deliver(request, t.done)
+        self._reserve(d, t.done)
         if self._in_flight == 0 and self._next >= len(self.arrivals):
             for r in self.decode:
-                r.wake_if_idle()
+                r.wake(t.done)
 
     def _decode_after_step(self, d: Replica) -> None:
-        """Drop reservations of admitted requests; start transfers that now fit."""
-        if d.holding:
-            keep = []
-            for t in d.holding:
-                if t.request.metrics.first_scheduled_time is not None or t.request.is_finished:
-                    d.scheduler.kv.gpu.free(reversed(t.reserved))
-                else:
-                    keep.append(t)
-            d.holding = keep
+        """Start transfers that now fit."""
         if d.queue:
             self._reserve(d, d.clock)
 

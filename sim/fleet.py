@@ -132,9 +132,8 @@ class Replica(SimEngine):
         if span is not None and span.cut is None:
             span.cut = span.steps_started_before(now)
             self.process.interrupt()
-        elif self._wake is not None and not self._wake.triggered:
-            self._woken_at = now
-            self._wake.succeed()
+        else:
+            self.wake(now)
 
     def interrupt_at(self, t: float) -> None:
         """Stop a pending span at the step boundary at or after t (something outside the
@@ -145,8 +144,10 @@ class Replica(SimEngine):
             span.cut = span.done
             self.process.interrupt()
 
-    def wake_if_idle(self) -> None:
+    def wake(self, t: float) -> None:
+        """End an idle or blocked wait at time t (exact)."""
         if self._wake is not None and not self._wake.triggered:
+            self._woken_at = t
             self._wake.succeed()
 
     # -- the engine loop -----------------------------------------------------------------
@@ -171,29 +172,18 @@ class Replica(SimEngine):
             if not sched.requests:
                 if not fleet.more_work_may_come(self):
                     break
-                used = gpu.num_used
-                counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
-                mem = memory_sample(sched)
-                self._wake = env.event()
-                yield self._wake
-                self._wake = None
-                if not self.inbox and not fleet.more_work_may_come(self):
+                yield from self._wait(clock)
+                if not self.inbox and not sched.requests and not fleet.more_work_may_come(self):
                     break
-                woken = self._woken_at
-                dt = woken - clock
-                if dt > 0:
-                    account(dt, used, *counts)
-                    mem_add(dt, mem)
-                    timeseries.append((clock, dt, 0, used, *counts, 0, 0, 0, *mem[:4]))
-                self.clock = max(clock, woken)
                 continue
             out = schedule(clock)
             dt = step_time(out)
             if dt <= 0.0:
                 self._finish(update(out, _EMPTY_RESULT, clock).finished)
                 if sched.requests:
-                    raise RuntimeError(f"replica {self.index}: the scheduler made no progress at "
-                                       f"t={clock:.6f} with {len(sched.requests)} unfinished requests")
+                    # Nothing fits: blocks held for KV transfers (sim.disagg) come back
+                    # when a transfer ends, which wakes this replica.
+                    yield from self._wait(clock)
                 continue
             result = execute(out)
             used = gpu.num_used
@@ -217,6 +207,23 @@ class Replica(SimEngine):
                 self.after_step(self)
             if skipping and sched.requests:
                 yield from self._skip()
+
+    def _wait(self, clock: float):
+        """Idle (or blocked) until something is delivered or freed; account the gap."""
+        sched, gpu = self.scheduler, self.scheduler.kv.gpu
+        used = gpu.num_used
+        counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
+        mem = memory_sample(sched)
+        self._wake = self.env.event()
+        yield self._wake
+        self._wake = None
+        woken = self._woken_at
+        dt = woken - clock
+        if dt > 0:
+            self._account(dt, used, *counts)
+            self.memory.add(dt, mem)
+            self.timeseries.append((clock, dt, 0, used, *counts, 0, 0, 0, *mem[:4]))
+            self.clock = woken
 
     def _skip(self):
         """Plan a steady-decode span to the horizon; commit it at its end, or up to the
@@ -388,7 +395,7 @@ class Fleet:
             for ev in waiters:
                 ev.succeed()
         for r in self.replicas:              # no more arrivals: let idle replicas stop
-            r.wake_if_idle()
+            r.wake(t)
 
     # -- run ------------------------------------------------------------------------------
     def run(self) -> FleetResult:
