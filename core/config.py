@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.block_hash import block_hasher
+
 
 @dataclass
 class CacheConfig:
@@ -11,6 +13,7 @@ class CacheConfig:
     num_cpu_blocks: int = 0          # swap space; 0 disables swapping (swap falls back to recompute)
     enable_prefix_caching: bool = False
     watermark: float = 0.01          # fraction of GPU blocks new admissions must leave free
+    prefix_caching_hash_algo: str = "sha256"   # block keys: sha256 | builtin | registered (core/block_hash.py)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -21,6 +24,7 @@ class CacheConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        block_hasher(self.prefix_caching_hash_algo)     # raises for an unknown name
 
 
 @dataclass
@@ -38,6 +42,14 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            # The cap splits long prompts into chunks; without chunking such a prompt could
+            # never be scheduled (it would wait forever).
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} caps a prompt's chunk per "
+                f"step, which needs chunked prefill: enable chunked prefill or set the threshold to 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

@@ -25,6 +25,7 @@ from core.contiguous import ContiguousKVCacheManager
 from core.kv_cache_manager import KVCacheManager
 from core.policy_api import PolicyBundle
 from core.request import Request, RequestStatus, Sequence
+from core.step_message import ModelRunnerOutput  # noqa: F401  (the executor's reply; re-exported)
 
 RUNNING = RequestStatus.RUNNING
 
@@ -86,20 +87,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class ModelRunnerOutput:
-    """What an executor returns for the sequences that sampled (num_samples > 0).
-
-    token_ids[seq_id]: num_samples tokens (n > 1 before the fork: one per child; beam
-    search: the beam's best candidates, best first). logprobs aligned with token_ids
-    (required for beam search). top_logprobs: per token, {token_id: logprob} of the
-    top-k alternatives when a request asks for logprobs.
-    """
-    token_ids: dict[int, list[int]]
-    logprobs: dict[int, list[float]] | None = None
-    top_logprobs: dict[int, list[dict[int, float]]] | None = None
-
-
-@dataclass
 class StepResult:
     updated: list[Request]       # requests that produced tokens this step
     finished: list[Request]      # requests that left the engine (finished, aborted, rejected)
@@ -118,7 +105,7 @@ class Scheduler:
                 cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
                 enable_prefix_caching=cache_config.enable_prefix_caching,
                 evictor=policies.eviction() if cache_config.enable_prefix_caching else None,
-                watermark=cache_config.watermark,
+                watermark=cache_config.watermark, hash_algo=cache_config.prefix_caching_hash_algo,
             )
         else:                          # a contiguous-reservation baseline (Orca-*)
             self.kv = ContiguousKVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks,
@@ -589,8 +576,13 @@ class Scheduler:
         token for every running sequence with no admission, swap, preemption, copy-on-write
         or finish. 0 when the engine is not in such a steady state. Call between steps.
 
-        Assumes (as the simulator guarantees) that a waiting prompt never contains the
-        tokens running sequences are generating, so new cache entries cannot unblock it.
+        Admission during the span is ruled out by checking the queue's head once: with a
+        shrinking free pool the head stays inadmissible as long as the cache contents it
+        sees do not change. They change in two ways. New entries: assumed harmless (as the
+        simulator guarantees, a waiting prompt never contains the tokens running sequences
+        are generating). Evictions: they can shorten a waiting request's prefix hits (which
+        can lower its block demand) and reorder a cache-aware queue (lpm), so while a
+        request waits under prefix caching the span only uses blocks that evict nothing.
         """
         running = self.running
         if not running or self._finished:
@@ -627,6 +619,8 @@ class Scheduler:
         # Largest k whose block growth fits the free pool (growth is monotone in k).
         seqs = [seq for r in running for seq in r.seqs]
         free = kv.gpu.num_free
+        if kv.enable_prefix_caching and len(self.waiting) and not self.swapped:
+            free = kv.gpu.num_uncached_free
 
         def blocks_for(k: int) -> int:
             return sum(max(0, -(-(s.num_computed_tokens + k) // bs) - len(tables[s.seq_id])) for s in seqs)

@@ -48,13 +48,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         queue=st.sampled_from(["fcfs", "priority", "sjf", "lpm"]),
         victim=st.sampled_from(["newest", "lowest-priority", "least-computed"]),
         allocation=st.sampled_from(["paged", "paged", "paged", "orca-oracle", "orca-pow2", "orca-max"]),
+        long_prefill=st.sampled_from([0, 0, 3, 9]),
     )
     def setup(self, max_num_seqs, budget, extra_blocks, num_cpu, chunked, caching, preemption, queue, victim,
-              allocation):
+              allocation, long_prefill):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
+            if long_prefill:
+                # A per-step prefill cap without chunking would leave long prompts waiting forever.
+                with pytest.raises(ValueError, match="needs chunked prefill"):
+                    SchedulerConfig(max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
+                                    enable_chunked_prefill=False,
+                                    long_prefill_token_threshold=long_prefill).validate(CacheConfig(num_gpu_blocks=64))
+                long_prefill = 0
         self.cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                   max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=chunked)
+                                   max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=chunked,
+                                   long_prefill_token_threshold=long_prefill)
         self.cache = CacheConfig(block_size=BS, num_gpu_blocks=MAX_MODEL_LEN // BS + extra_blocks,
                                  num_cpu_blocks=num_cpu, enable_prefix_caching=caching, watermark=0.0)
         self.victim, self.queue = victim, queue
@@ -105,6 +114,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(s.block_table) * BS >= s.start + s.num_tokens
             if not self.cfg.enable_chunked_prefill:
                 assert s.num_samples or s.seq.request.params.beam_width
+            if self.cfg.long_prefill_token_threshold and s.num_tokens > 1 and not s.seq.request.params.beam_width:
+                # (beams are planned in lock-step, uncapped)
+                assert s.num_tokens <= self.cfg.long_prefill_token_threshold
         for req in out.admitted:
             if req.metrics.num_preemptions == 0 and req not in self.first_admitted:
                 self.first_admitted.append(req)
@@ -212,6 +224,22 @@ def test_rejected_requests_do_not_block_the_queue():
     assert ok.status is RequestStatus.FINISHED_LENGTH
 
 
+def test_long_prefill_threshold_without_chunked_prefill_is_a_config_error():
+    # It used to be accepted, and a prompt longer than the threshold then waited forever.
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=8 .* needs chunked prefill"):
+        make_engine(max_num_batched_tokens=64, max_model_len=32, block_size=4, num_gpu_blocks=16,
+                    enable_chunked_prefill=False, long_prefill_token_threshold=8)
+
+
+def test_long_prefill_threshold_chunks_long_prompts():
+    engine, sched, ex = make_engine(max_num_batched_tokens=64, max_model_len=32, block_size=4, num_gpu_blocks=16,
+                                    long_prefill_token_threshold=8)
+    req = engine.add_request(Request("long", list(range(20)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    engine.run_until_done(100)
+    assert [s.num_tokens for out in ex.steps for s in out.scheduled] == [8, 8, 4, 1]
+    assert req.status is RequestStatus.FINISHED_LENGTH
+
+
 def test_kv_pool_too_small_for_max_model_len_is_a_config_error():
     with pytest.raises(ValueError, match="lower max_model_len"):
         make_engine(max_model_len=128, block_size=16, num_gpu_blocks=4)
@@ -278,65 +306,3 @@ def test_beam_search_returns_ranked_beams():
     scores = [beam_score(s, 1.0) for s in beams]
     assert scores == sorted(scores, reverse=True)
     assert sched.kv.gpu.num_used == 0
-
-
-# -- event skipping: fast_forward must be indistinguishable from single steps ----------------
-
-def _drive(workload, fast: bool, caching: bool, blocks: int):
-    from tests.toy_executor import next_token
-    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48),
-                      CacheConfig(block_size=4, num_gpu_blocks=blocks, enable_prefix_caching=caching, watermark=0.0),
-                      PolicySet())
-    ex = ToyExecutor()
-
-    def token_fn(seq, pos, count):
-        hist = seq.token_ids[:pos]
-        out = []
-        for _ in range(count):
-            t = next_token(hist)
-            hist.append(t)
-            out.append(t)
-        return out
-
-    arrivals = sorted(workload, key=lambda w: w[0])
-    reqs, t, i, skipped = [], 0, 0, 0
-    while i < len(arrivals) or sched.has_unfinished_requests():
-        while i < len(arrivals) and arrivals[i][0] <= t:
-            step, prompt, max_tokens, n = arrivals[i]
-            reqs.append(sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, n=n,
-                                                                                  ignore_eos=True),
-                                                  arrival_time=float(step))))
-            i += 1
-        out = sched.schedule(float(t))
-        res = ex.execute_model(out)
-        t += 1
-        sched.update(out, res, float(t))
-        if fast:
-            k = sched.steady_decode_horizon()
-            if i < len(arrivals):
-                k = min(k, arrivals[i][0] - t)
-            if k > 0:
-                sched.fast_forward(k, [float(t + j + 1) for j in range(k)], token_fn)
-                t += k
-                skipped += k
-    assert sched.kv.gpu.num_used == 0
-    from core.metrics import RequestRecord
-    recs = [(RequestRecord.from_request(r), sorted(s.output_token_ids for s in r.finished_seqs)) for r in reqs]
-    return recs, skipped, sched.kv.stats()
-
-
-@given(workload=st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(0, 9), min_size=1, max_size=20),
-                                   st.integers(1, 30), st.sampled_from([1, 1, 2])), min_size=1, max_size=10),
-       caching=st.booleans(), blocks=st.integers(12, 40))
-@settings(max_examples=300 if not __import__("os").environ.get("CI") else 1000, deadline=None)
-def test_fast_forward_matches_single_steps(workload, caching, blocks):
-    slow, _, slow_stats = _drive(workload, fast=False, caching=caching, blocks=blocks)
-    fast, skipped, fast_stats = _drive(workload, fast=True, caching=caching, blocks=blocks)
-    assert fast == slow
-    assert fast_stats == slow_stats
-
-
-def test_fast_forward_actually_skips():
-    workload = [(0, [1, 2, 3], 30, 1), (0, [4, 5, 6, 7, 8], 25, 2)]
-    _, skipped, _ = _drive(workload, fast=True, caching=True, blocks=40)
-    assert skipped > 20
