@@ -449,17 +449,35 @@ def replica_summary(result: SimResult) -> dict:
     }
 
 
-def fleet_summary(result: FleetResult, num_gpus: int | None = None) -> dict:
+def goodput(records, duration: float, slo_ttft: float, slo_tpot: float) -> int:
+    """Requests that finished meeting both SLOs (DistServe's goodput numerator); a
+    one-token request has no TPOT and is judged on TTFT alone."""
+    good = 0
+    for r in records:
+        if r.status in ("length", "stop") and r.ttft is not None and r.ttft <= slo_ttft:
+            tpot = r.tpot
+            if tpot is None or tpot <= slo_tpot:
+                good += 1
+    return good
+
+
+def fleet_summary(result: FleetResult, num_gpus: int | None = None,
+                  slo: tuple[float, float] | None = None) -> dict:
     """summary.json of a fleet: the fleet's aggregates over all requests (same names as a
-    single run), fleet-wide counters, and one block per replica."""
+    single run), fleet-wide counters, and one block per replica. `slo` = (TTFT, TPOT)
+    seconds adds goodput: requests meeting both per second, and per GPU."""
     from sim.results import _clean
     s = summarize(result.records)
     s = {"num_requests": len(result.records), **s}
     reps = result.replicas
     s["num_preemptions"] = sum(r.num_preemptions for r in reps)
     s["num_swaps"] = sum(r.num_swaps for r in reps)
-    q = sum(r.kv_stats["prefix_cache_queries"] for r in reps)
-    h = sum(r.kv_stats["prefix_cache_hits"] for r in reps)
+    dis = result.extra.get("disaggregation")
+    # Under disaggregation the decode side "hits" the KV handed over to it: count prompts
+    # where they are first looked up, on the prefill replicas.
+    looked_up = reps[:dis["prefill_replicas"]] if dis else reps
+    q = sum(r.kv_stats["prefix_cache_queries"] for r in looked_up)
+    h = sum(r.kv_stats["prefix_cache_hits"] for r in looked_up)
     s["prefix_cache_queries"], s["prefix_cache_hits"] = q, h
     s["prefix_cache_hit_rate"] = h / q if q else 0.0
     s["kv_usage_mean"] = sum(r.time_weighted["kv_usage_mean"] * r.sim_time for r in reps) / \
@@ -467,13 +485,84 @@ def fleet_summary(result: FleetResult, num_gpus: int | None = None) -> dict:
     s["kv_usage_max"] = max(r.time_weighted["kv_usage_max"] for r in reps)
     s["sim_time"] = result.sim_time
     s["num_steps"] = sum(r.num_steps for r in reps)
+    slot_seconds = {c: sum(r.memory_breakdown["slot_seconds"][c] for r in reps)
+                    for c in reps[0].memory_breakdown["slot_seconds"]}
+    in_use = sum(v for c, v in slot_seconds.items() if c != "free")
+    s["memory_breakdown"] = {"shares": {c: (v / in_use if in_use > 0 else 0.0)
+                                        for c, v in slot_seconds.items() if c != "free"},
+                             "slot_seconds": slot_seconds}
+    phys = sum(r.kv_sharing["physical_block_seconds"] for r in reps)
+    logical = sum(r.kv_sharing["logical_block_seconds"] for r in reps)
+    s["kv_sharing"] = {"physical_block_seconds": phys, "logical_block_seconds": logical,
+                       "saving": 1.0 - phys / logical if logical > 0 else 0.0}
     gpus = num_gpus if num_gpus is not None else result.config.num_gpus
     s["num_gpus"] = gpus
     s["request_throughput_per_gpu"] = s["request_throughput"] / gpus if gpus else None
+    if slo is not None:
+        good = goodput(result.records, s["duration"], *slo)
+        s["slo_ttft"], s["slo_tpot"] = slo
+        s["slo_attainment"] = good / len(result.records) if result.records else 0.0
+        s["goodput"] = good / s["duration"] if s["duration"] > 0 else 0.0
+        s["goodput_per_gpu"] = s["goodput"] / gpus if gpus else None
     s["replicas"] = [replica_summary(r) for r in reps]
     s.update(result.extra)
     s["trace"] = result.trace_source
     cfg = reps[0].config.echo()
     cfg.update(replicas=result.config.replicas, router=result.config.router)
+    if dis:
+        cfg.update(disaggregate=f"{dis['prefill_replicas']}:{dis['decode_replicas']}", link=dis["link"])
     s["config"] = cfg
     return _clean(s)
+
+
+def write_fleet_results(result: FleetResult, out_dir, slo: tuple[float, float] | None = None) -> dict:
+    """requests.csv (one row per request, trace order, plus its `replica`), summary.json
+    (fleet_summary) and timeseries.csv (every replica's rows, tagged `replica`)."""
+    import csv
+    import json
+    from pathlib import Path
+    from sim.results import REQUEST_COLUMNS, request_row
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = fleet_summary(result, slo=slo)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out / "requests.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow((*REQUEST_COLUMNS, "replica"))
+        for rec, req_out, rep in zip(result.records, result.requested_output_lens, result.replica_of):
+            w.writerow(["" if v is None else v for v in request_row(rec, req_out)] + [rep])
+    with open(out / "timeseries.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow((*SimResult.TIMESERIES_COLUMNS, "replica"))
+        for i, rep in enumerate(result.replicas):
+            blocks = rep.config.cache.num_gpu_blocks
+            slots = blocks * rep.config.cache.block_size
+            for row in rep.timeseries:
+                w.writerow((row[0], row[1], row[2], row[3] / blocks) + row[4:10]
+                           + tuple(v / slots for v in row[10:]) + (i,))
+    return summary
+
+
+def format_fleet_summary(summary: dict) -> str:
+    """The single-run table for the fleet, then one line per replica."""
+    from sim.results import format_summary
+    lines = [format_summary(summary)]
+    c = summary["config"]
+    dis = summary.get("disaggregation")
+    head = (f"fleet        {dis['prefill_replicas']} prefill + {dis['decode_replicas']} decode replicas, "
+            f"{dis['link']} {dis['link_bandwidth_gbps']:g} GB/s; {dis['num_transfers']:,} KV transfers, mean "
+            f"{dis['mean_transfer_time'] * 1e3:.2f} ms (+ {dis['mean_wait_for_decode_memory'] * 1e3:.2f} ms waiting "
+            f"for decode memory, {dis['mean_wait_for_link'] * 1e3:.2f} ms for the link)" if dis else
+            f"fleet        {c['replicas']} replicas, router {c['router']}")
+    lines.append(head + f"; {summary['num_gpus']} GPUs, {summary['request_throughput_per_gpu']:.3f} req/s per GPU")
+    if "goodput" in summary:
+        lines.append(f"goodput      {summary['goodput']:.3f} req/s ({summary['goodput_per_gpu']:.3f} per GPU) meet "
+                     f"TTFT <= {summary['slo_ttft'] * 1e3:g} ms and TPOT <= {summary['slo_tpot'] * 1e3:g} ms "
+                     f"({summary['slo_attainment']:.1%} of requests)")
+    for i, r in enumerate(summary["replicas"]):
+        ttft = "-" if r["mean_ttft"] is None else f"{r['mean_ttft'] * 1e3:,.1f}"
+        tpot = "-" if r["mean_tpot"] is None else f"{r['mean_tpot'] * 1e3:,.1f}"
+        lines.append(f"  replica {i:<3} {r['num_requests']:>7,} req  TTFT mean {ttft:>8} ms  TPOT mean {tpot:>6} ms  "
+                     f"KV mean {r['kv_usage_mean']:.1%}  prefix hits {r['prefix_cache_hit_rate']:.1%}  "
+                     f"preempt {r['num_preemptions']:,}")
+    return "\n".join(lines)
