@@ -226,7 +226,7 @@ def test_multi_turn_prompts_carry_previous_turns_and_arrive_after_them(sharegpt)
 def test_every_registry_policy_runs_end_to_end(kind, name, tmp_path):
     args = ["run", str(SHAREGPT), "--num-requests", "40", "--rate", "8", "--quiet", "--out", str(tmp_path),
             "--model", "OPT-13B", "--num-gpu-blocks", "300", f"--{kind}", name]
-    if kind in ("eviction", "queue"):
+    if kind in ("eviction", "queue", "router"):
         args += ["--enable-prefix-caching", "--shared-prefix-len", "80"]
     if kind == "preemption":
         args += ["--n", "2"]
