@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import simpy
 
 from core import Request
+from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
 from core.metrics import summarize
 from policies import make as make_policy
 from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
@@ -231,11 +232,11 @@ class Replica(SimEngine):
         if self.inbox or self.fleet.arrival_pending(self.clock):
             return                           # an arrival is due at this boundary
         sched = self.scheduler
-        horizon = sched.steady_decode_horizon()
+        horizon = steady_decode_horizon(sched)
         if horizon <= 0:
             return
         start = self.clock
-        num_seqs, context_sum = sched.steady_decode_shape()
+        num_seqs, context_sum = steady_decode_shape(sched)
         durations = self.executor.decode_step_times(num_seqs, context_sum, horizon)
         bs = self.resolved.cache.block_size
         starts = [0] * bs
@@ -303,7 +304,7 @@ class Replica(SimEngine):
         num_seqs = span.model.n
         self.timeseries.append((t0, length, k - i0, piece_used / length, running, waiting, swapped,
                                 num_seqs, num_seqs, 0, *mem_means))
-        result = sched.fast_forward(k - i0, span.ends[i0:k], self.executor.token_ids)
+        result = fast_forward(sched, k - i0, span.ends[i0:k], self.executor.token_ids)
         if sched.kv.gpu.num_used != used_at[k - 1]:
             raise RuntimeError(f"replica {self.index}: KV usage {sched.kv.gpu.num_used} after a span, "
                                f"expected {used_at[k - 1]}")
