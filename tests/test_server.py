@@ -480,7 +480,10 @@ def test_metrics_parse_and_move(http, oai):
 def test_queue_limit_answers_503(tiny_dir):
     from realexec.server.app import create_app
 
-    app = create_app(tiny_engine(tiny_dir, max_num_seqs=1), served_model_name="limited", max_waiting_requests=1)
+    from realexec.server.config import ServerConfig
+
+    app = create_app(tiny_engine(tiny_dir, max_num_seqs=1), served_model_name="limited",
+                     config=ServerConfig(max_waiting_requests=1))
     body = {"prompt": "Keep going", "max_tokens": 1900, "stream": True, **IGNORE_EOS}
     with serve(app) as base, httpx.Client(base_url=base, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as running:

@@ -10,7 +10,7 @@ include_stop_str_in_output, cache_salt.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
