@@ -109,7 +109,6 @@ class OpenAIServer:
     """State shared by the handlers: the async engine, the names served, limits, metrics."""
 
     def __init__(self, engine: "LLMEngine", served_model_names: list[str], config: ServerConfig):
-        config.validate()
         self.llm_engine = engine
         self.names = served_model_names
         self.config = config
@@ -326,12 +325,10 @@ class OpenAIServer:
 
 
 def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
-               served_model_name: str | list[str] | None = None,
-               max_waiting_requests: int | None = None, config: ServerConfig | None = None) -> FastAPI:
+               served_model_name: str | list[str] | None = None, config: ServerConfig | None = None) -> FastAPI:
     """Build the app around `engine` (or a new LLMEngine(engine_args)). The engine thread
     starts with the app (lifespan) and stops with it."""
-    if config is None:
-        config = ServerConfig(max_waiting_requests=max_waiting_requests)
+    config = config if config is not None else ServerConfig()
     config.validate()
     if engine is None:
         from realexec.engine import LLMEngine
