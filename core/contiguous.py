@@ -147,7 +147,7 @@ class ContiguousKVCacheManager:
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
 
-    def can_admit(self, plan) -> bool:
+    def can_admit(self, plan, keep_watermark: bool = True) -> bool:   # no watermark: see above
         return self._fits_plan(plan)
 
     # -- allocation -----------------------------------------------------------------------
@@ -217,7 +217,7 @@ class ContiguousKVCacheManager:
     def can_swap_out(self, seqs) -> bool:
         return False
 
-    def can_swap_in(self, seqs) -> bool:
+    def can_swap_in(self, seqs, keep_watermark: bool = True) -> bool:
         return False
 
     def swap_out(self, seqs):

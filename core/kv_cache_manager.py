@@ -100,9 +100,23 @@ class KVCacheManager:
         revived = sum(1 for b in cached if self.gpu.ref_cnt[b] == 0) if cached else 0
         return max(need, 0) + revived
 
-    def can_admit(self, plan: list[tuple[Sequence, int, list[int]]]) -> bool:
-        """Could this new work be allocated now, leaving the watermark free?"""
-        return self._leaves_watermark(sum(self.blocks_needed(seq, n, cached) for seq, n, cached in plan))
+    def can_admit(self, plan: list[tuple[Sequence, int, list[int]]], keep_watermark: bool = True) -> bool:
+        """Could this new work be allocated now, leaving the watermark free (unless told
+        not to: with nothing running there is no growth to protect)? A cached block that
+        several of the plan's sequences revive (beams after a recompute share their
+        prefix) leaves the free pool once, so it is counted once."""
+        ref_cnt = self.gpu.ref_cnt
+        revived: set[int] = set()
+        num_blocks = 0
+        for seq, n, cached in plan:
+            num_blocks += self.blocks_needed(seq, n, cached)
+            if cached:
+                dead = [b for b in cached if ref_cnt[b] == 0]
+                num_blocks -= sum(1 for b in dead if b in revived)
+                revived.update(dead)
+        if not keep_watermark:
+            return self.gpu.num_free >= num_blocks
+        return self._leaves_watermark(num_blocks)
 
     def _leaves_watermark(self, num_blocks: int) -> bool:
         """New work must leave the watermark free, so running sequences can still grow."""
@@ -209,9 +223,9 @@ class KVCacheManager:
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return self._distinct_blocks([self.tables.get(s.seq_id, ()) for s in seqs]) <= self.cpu.num_free
 
-    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+    def can_swap_in(self, seqs: list[Sequence], keep_watermark: bool = True) -> bool:
         need = self._distinct_blocks([self.cpu_tables.get(s.seq_id, ()) for s in seqs])
-        return self._leaves_watermark(need)
+        return self._leaves_watermark(need) if keep_watermark else self.gpu.num_free >= need
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move the group's blocks to the CPU pool; returns (gpu_block, cpu_block) copies."""

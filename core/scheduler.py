@@ -318,7 +318,7 @@ class Scheduler:
         kv = self.kv
         while self.swapped and budget > 0:
             request = self.swapped[0]
-            if not kv.can_swap_in(request.seqs):
+            if not kv.can_swap_in(request.seqs, keep_watermark=bool(self.running)):   # idle: see _try_admission
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(kv.swap_in(request.seqs))
@@ -358,7 +358,10 @@ class Scheduler:
         if self._seq_slots + request.params.num_seqs_max > self.config.max_num_seqs:
             return None
         plan, hits = self._admission_plan(request, budget)
-        if plan and self.kv.can_admit([(seq, n, hits[seq.seq_id]) for seq, n in plan]):
+        # The watermark keeps room for running sequences to grow; an idle engine has none to
+        # protect, and keeping it then could strand a request that fits the pool (liveness).
+        idle = not self.running and not self.swapped
+        if plan and self.kv.can_admit([(seq, n, hits[seq.seq_id]) for seq, n in plan], keep_watermark=not idle):
             return plan, hits
         for seq in request.seqs:
             seq.num_computed_tokens = 0
