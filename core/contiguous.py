@@ -38,6 +38,10 @@ class ContiguousBlockPool(BlockPool):
     def num_free(self) -> int:
         return self._num_free
 
+    def gaps(self) -> list[tuple[int, int]]:
+        """Free runs as [start, end) block ranges, in address order."""
+        return [(s, self._ends[s]) for s in self._starts]
+
     def largest_gap(self) -> int:
         return max((self._ends[s] - s for s in self._starts), default=0)
 
