@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import assume, given, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core import KVCacheManager, Request, SamplingParams
 from core.block_pool import BlockPool
