@@ -118,3 +118,16 @@ class BlockPool:
             if self.cached.get(h) == block_id:
                 del self.cached[h]
             self.evictor.forget(block_id)         # type: ignore[union-attr]
+
+    def reset_cache(self) -> int:
+        """Forget every cached-but-free block (their KV is gone, e.g. after the workers
+        slept); returns how many. Blocks in use keep their hashes."""
+        if self.evictor is None:
+            return 0
+        n = 0
+        while len(self.evictor):
+            b = self.evictor.pop()
+            self._drop_hash(b)
+            self._free.append(b)
+            n += 1
+        return n

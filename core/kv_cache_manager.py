@@ -13,6 +13,7 @@ Protocol with the scheduler, per step:
 """
 from __future__ import annotations
 
+from core.block_hash import DEFAULT_HASH_ALGO, block_hasher
 from core.block_pool import BlockPool
 from core.kv_interface import KVCacheStats
 from core.policy_api import Evictor
@@ -23,11 +24,6 @@ class SwapSpaceExhaustedError(RuntimeError):
     """The CPU swap pool cannot hold a sequence group; the scheduler recomputes instead."""
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: object = None) -> int:
-    """Chained prefix hash: a block's identity is its tokens *and* everything before it
-    (through the parent block's hash) *and* its cache salt. The one place the hash is
-    computed: swapping in another hash function changes only this body."""
-    return hash((parent_hash, token_ids, salt))
 
 
 class KVCacheManager:
@@ -40,12 +36,14 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         evictor: Evictor | None = None,
         watermark: float = 0.01,
+        hash_algo: str = DEFAULT_HASH_ALGO,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if enable_prefix_caching and evictor is None:
             raise ValueError("prefix caching needs an evictor (see policies.eviction)")
         self.block_size = block_size
+        self.hash_block = block_hasher(hash_algo)    # chained over parent key, tokens, salt (core/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockPool(num_gpu_blocks, evictor if enable_prefix_caching else None, "gpu")
         self.cpu = BlockPool(num_cpu_blocks, None, "cpu")
@@ -63,8 +61,9 @@ class KVCacheManager:
         hashes = seq.block_hashes
         bs, toks, salt = self.block_size, seq.token_ids, seq.request.cache_salt
         parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, tuple(toks[i * bs:(i + 1) * bs]), salt)
+        hash_block = self.hash_block
+        for i in range(len(hashes), num_blocks):   # the salt enters the first block; the chain carries it
+            parent = hash_block(parent, tuple(toks[i * bs:(i + 1) * bs]), salt if i == 0 else None)
             hashes.append(parent)
         return hashes
 

@@ -16,6 +16,7 @@ from policies.preemption import (AutoMode, LeastComputedVictim, LowestPriorityVi
                                  RecomputeMode, SwapMode)
 from policies.allocation import ALLOCATIONS
 from policies.queue import FCFSPolicy, LongestPrefixMatchPolicy, PriorityPolicy, ShortestJobFirstPolicy
+from policies.router import ROUTERS
 
 REGISTRY: dict[str, dict[str, Callable[[], object]]] = {
     "queue": {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "sjf": ShortestJobFirstPolicy,
@@ -25,6 +26,7 @@ REGISTRY: dict[str, dict[str, Callable[[], object]]] = {
                "least-computed": LeastComputedVictim},
     "eviction": {"lru": LRUEvictor, "lfu": LFUEvictor, "fifo": FIFOEvictor},
     "allocation": ALLOCATIONS,
+    "router": ROUTERS,                  # fleets (sim.fleet): which replica serves a request
 }
 
 

@@ -45,7 +45,7 @@ class PagedAllocation:
         caching = cache.enable_prefix_caching
         return KVCacheManager(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
                               enable_prefix_caching=caching, evictor=evictor() if caching else None,
-                              watermark=cache.watermark)
+                              watermark=cache.watermark, hash_algo=cache.prefix_caching_hash_algo)
 
 
 class ContiguousAllocation:

@@ -9,6 +9,16 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from core import block_hasher, register_block_hasher
+from core.block_hash import make_digest_hasher
+
+try:                                 # the core imports only the stdlib: faster hashes come from here
+    import xxhash
+except ImportError:                  # pragma: no cover - xxhash is in the real extra
+    xxhash = None
+else:
+    register_block_hasher("xxhash", make_digest_hasher(xxhash.xxh3_128_digest))
+
 from policies import REGISTRY
 
 
@@ -45,9 +55,25 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute", f"preemption mode: {_names('preemption')}")
     victim_policy: str = _arg("newest", f"preemption victim: {_names('victim')}")
     eviction_policy: str = _arg("lru", f"cached-block eviction: {_names('eviction')}")
+    prefix_caching_hash_algo: str = _arg(
+        "sha256", "prefix-cache block key: sha256 (collision-resistant: one tenant's prompt cannot be made to "
+                  "hit another's cached KV) | xxhash (XXH3-128: faster, not cryptographic) | builtin "
+                  "(Python's 64-bit hash: fastest, collisions are easy to forge; trusted prompts only)")
     seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (one worker each; must divide the query and KV heads)")
+    distributed_executor_backend: str | None = _arg(
+        None, "uni | mp | ray: one in-process worker, one process per rank, one Ray actor per rank "
+              "(default: uni at tensor-parallel-size 1, else mp)")
+    ray_address: str | None = _arg(None, "ray: address of an existing Ray cluster (default: start a local one)")
+    ray_cpus_per_worker: float | None = _arg(
+        None, "ray: CPUs each rank's placement-group bundle reserves (default: the cluster's CPUs / ranks, "
+              "at most 1, so that any tensor-parallel size fits on a small machine)")
+    enable_sleep_mode: bool = _arg(
+        False, "serve: expose POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (development endpoints)")
+    worker_timeout: float = _arg(
+        120.0, "mp/ray: seconds a step or RPC may wait on a worker before it is declared hung")
 
     def validate(self) -> None:
         def positive(name):
@@ -56,7 +82,7 @@ class EngineArgs:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {value}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_gpu_blocks", "cpu_threads"):
+                     "num_gpu_blocks", "cpu_threads", "tensor_parallel_size"):
             positive(name)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory}")
@@ -64,8 +90,25 @@ class EngineArgs:
             raise ValueError(f"swap-space must be >= 0 GiB, got {self.swap_space}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        backend = self.executor_backend()
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
+                             f"{self.tensor_parallel_size} needs mp or ray")
+        if self.ray_cpus_per_worker is not None and self.ray_cpus_per_worker <= 0:
+            raise ValueError(f"ray-cpus-per-worker must be > 0, got {self.ray_cpus_per_worker}")
+        if self.worker_timeout <= 0:
+            raise ValueError(f"worker-timeout must be > 0 seconds, got {self.worker_timeout}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention-backend must be torch or triton, got {self.attention_backend!r}")
+        from policies import PolicySet
+        PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
+        block_hasher(self.prefix_caching_hash_algo)
+
+    def executor_backend(self) -> str:
+        backend = self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
+        if backend not in ("uni", "mp", "ray"):
+            raise ValueError(f"distributed-executor-backend must be uni, mp or ray, got {backend!r}")
+        return backend
 
     def policy_names(self) -> dict[str, str]:
         return {"queue": self.queue_policy, "preemption": self.preemption_mode,
@@ -93,6 +136,7 @@ _FIELD_TYPES = {
     "block_size": int, "max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
     "kv_cache_memory": float, "gpu_memory_utilization": float, "num_gpu_blocks": int, "swap_space": float,
     "watermark": float, "seed": int, "cpu_threads": int,
+    "tensor_parallel_size": int, "ray_cpus_per_worker": float, "worker_timeout": float,
 }
 
 

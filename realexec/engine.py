@@ -14,6 +14,7 @@ one RequestOutput with the text so far and the delta since the previous step.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -22,7 +23,7 @@ from core import (CacheConfig, EngineCore, InvalidRequestError, Request, Request
 from core.request import RequestMetrics
 from policies import PolicySet
 from realexec.config import EngineArgs
-from realexec.executor import UniprocExecutor
+from realexec.executor import make_executor
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_BATCHED_TOKENS = 2048
@@ -89,7 +90,14 @@ class LLMEngine:
         args = replace(args, **overrides) if args is not None else EngineArgs(**overrides)
         args.validate()
         self.args = args
-        self.executor = UniprocExecutor(args)
+        self.executor = make_executor(args)
+        try:
+            self._init_engine(args)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _init_engine(self, args: EngineArgs) -> None:
         self.model_config = self.executor.model_config
         self.tokenizer = self.executor.tokenizer
 
@@ -105,7 +113,7 @@ class LLMEngine:
             else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
         cache_config = CacheConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                                   watermark=args.watermark)
+                                   watermark=args.watermark, prefix_caching_hash_algo=args.prefix_caching_hash_algo)
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                            max_model_len=self.max_model_len,
                                            enable_chunked_prefill=args.enable_chunked_prefill)
@@ -123,6 +131,9 @@ class LLMEngine:
         self.num_steps = 0
         self.step_time = 0.0
         self.detokenize_time = 0.0
+        self.sleep_level = 0
+        # step() and sleep()/wake_up() may come from different threads (server endpoints).
+        self._lock = threading.RLock()
 
     def _resolve_max_model_len(self, num_gpu_blocks: int) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -137,14 +148,14 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer: pass prompts as token ids")
+            raise InvalidRequestError("this model has no tokenizer: pass prompts as token ids", "prompt")
         return list(self.tokenizer(prompt).input_ids)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the tokenizer's chat template, ready for
         the assistant's turn."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template")
+            raise InvalidRequestError("this model has no chat template", "messages")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -154,36 +165,43 @@ class LLMEngine:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
+                                      "sampling_params")
         params.validate()
         if isinstance(prompt, str):
             text = prompt
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", "prompt")
             token_ids = self.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
             vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}",
+                                          "prompt")
         if not token_ids:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
-                f"(the prompt plus at least one output token must fit)")
+                f"(the prompt plus at least one output token must fit)", "prompt")
         if self.extra_eos_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + self.extra_eos_ids)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._states:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         request = Request(request_id, token_ids, params, arrival_time=time.monotonic(), priority=priority,
-                          eos_token_id=self.eos_token_id, prompt=text)
+                          eos_token_id=self.eos_token_id, cache_salt=params.cache_salt, prompt=text)
         self.core.add_request(request)
         if request.status is RequestStatus.FINISHED_REJECTED:
-            raise InvalidRequestError(f"request {request_id!r} rejected: {request.reject_reason}")
+            # The prompt itself was checked above: what can still not fit is n (or the beams).
+            param = "n" if params.num_seqs_max > 1 else "prompt"
+            raise InvalidRequestError(f"request rejected: {request.reject_reason}", param)
         self._states[request_id] = _RequestState(request)
         return request_id
 
@@ -197,7 +215,17 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; outputs of the requests that progressed or finished."""
+        """Run one engine step; outputs of the requests that progressed or finished.
+        While asleep nothing runs: queued requests wait for wake_up()."""
+        with self._lock:
+            if self.executor.error is not None:
+                raise self.executor.error     # a worker failed: this engine is dead
+            if self.sleep_level:
+                time.sleep(0.01)              # callers that loop on step() do not spin
+                return []
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         result = self.core.step()
         t1 = time.perf_counter()
@@ -298,6 +326,42 @@ class LLMEngine:
             logprobs=list(seq.output_logprobs) if seq.output_logprobs is not None else None,
             finish_reason=reason, stop_reason=st.stop_reason,
             text_delta=delta_text, token_ids_delta=delta_ids)
+
+    # -- sleep / wake up, shutdown ------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_level)
+
+    def sleep(self, level: int = 1) -> int:
+        """Release the workers' device memory (level 1: weights to CPU memory, KV cache
+        dropped; level 2: both dropped) -> bytes released over all ranks. Only with no
+        request running or swapped (their KV would be lost); waiting requests stay queued
+        and run after wake_up(). The prefix cache is reset (its blocks' contents are gone)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._lock:
+            if self.sleep_level:
+                return 0
+            sched = self.scheduler
+            if sched.num_running or sched.num_swapped:
+                raise RuntimeError(f"cannot sleep with {sched.num_running} running and {sched.num_swapped} "
+                                   f"swapped requests: let them finish or abort them first")
+            released = self.executor.sleep(level)
+            reset = getattr(self.scheduler.kv.gpu, "reset_cache", None)   # contiguous pools cache nothing
+            if reset is not None:
+                reset()
+            self.sleep_level = level
+            return released
+
+    def wake_up(self) -> None:
+        with self._lock:
+            if self.sleep_level:
+                self.executor.wake_up()
+                self.sleep_level = 0
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes, Ray actors); idempotent."""
+        self.executor.shutdown()
 
     # -- introspection ------------------------------------------------------------------------
     def timing_stats(self) -> dict[str, float]:

@@ -66,11 +66,20 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, cfg: Mo
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
                device: str | torch.device = "cpu", *, attn_backend: str = "torch",
-               max_position: int | None = None, cache_dir: str | Path | None = None):
+               max_position: int | None = None, cache_dir: str | Path | None = None, tp=None,
+               with_tokenizer: bool = True):
     """-> (model in eval mode, ModelConfig, tokenizer or None if the checkpoint has none).
 
     max_position caps the rotary table (default: the config's max_position_embeddings).
+    tp: a realexec.parallel.TPGroup: load this rank's tensor-parallel shard.
     """
+    path = resolve_model_dir(model, cache_dir)
+    return load_hf_dir(path, dtype, device, attn_backend=attn_backend, max_position=max_position, tp=tp,
+                       with_tokenizer=with_tokenizer)
+
+
+def resolve_model_dir(model: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
+    """The HF directory of `model` (a GGUF is converted into the cache once)."""
     path = Path(model) if model is not None else embedded_model_path()
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -81,23 +90,30 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype | str | None 
         path = convert_gguf(path, Path(cache_dir) if cache_dir else cache_root())
     elif not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a Hugging Face model directory or a .gguf file")
-    return load_hf_dir(path, dtype, device, attn_backend=attn_backend, max_position=max_position)
+    return path
 
 
-def load_hf_dir(path: Path, dtype=None, device="cpu", *, attn_backend="torch", max_position=None):
+def read_model_config(model: str | Path | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint without loading its weights."""
+    return ModelConfig.from_hf(json.loads((resolve_model_dir(model) / "config.json").read_text()))
+
+
+def load_hf_dir(path: Path, dtype=None, device="cpu", *, attn_backend="torch", max_position=None, tp=None,
+                with_tokenizer: bool = True):
     device = torch.device(device)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     dtype = resolve_dtype(dtype, device, cfg)
     # Build on the meta device (no random init of weights we overwrite anyway), then
     # allocate for real and fill from the checkpoint.
     with torch.device("meta"):
-        model = get_model_class(cfg.architecture)(cfg, attn_backend=attn_backend, max_position=max_position)
+        model = get_model_class(cfg.architecture)(cfg, attn_backend=attn_backend, max_position=max_position,
+                                                  **({"tp": tp} if tp is not None else {}))
     model = model.to(dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_table()
     model.load_weights(iter_safetensors(path))
-    return model.eval(), cfg, load_tokenizer(path)
+    return model.eval(), cfg, load_tokenizer(path) if with_tokenizer else None
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,31 +1,40 @@
-"""Worker: owns one device, the model weights and the paged KV cache on it.
+"""Worker: owns one device (one tensor-parallel rank), its weights and its paged KV cache.
 
 Lifecycle (driven by an executor through collective_rpc):
   init_device -> load_model -> determine_num_available_blocks -> initialize_cache
-  -> execute_model per step (block swaps/copies first, then the model runner).
+  -> execute_model(StepMessage) per step (block swaps/copies first, then the model runner)
+  -> sleep(level) / wake_up() when the device is lent to someone else.
+The worker reads only step messages (core.step_message), never scheduler objects, so the
+same code runs in the engine's process, in a worker process, or in a Ray actor.
 """
 from __future__ import annotations
 
+import time
 from itertools import accumulate
 
 import torch
 
-from core import ModelRunnerOutput, SchedulerOutput
+from core.kv_capacity import kv_block_bytes_per_rank, kv_blocks_per_rank, kv_heads_per_rank
+from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from realexec.config import EngineArgs
 from realexec.kernels.block_ops import copy_blocks, swap_blocks
 from realexec.loader import load_model
 from realexec.model_runner import ModelRunner
+from realexec.parallel import check_tensor_parallel, init_distributed
 from realexec.sampler import Sampler
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto`: CUDA device `local_rank` when CUDA is available, else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
@@ -82,9 +91,15 @@ class LengthBucketedTorchBackend(TorchAttentionBackend):
 
 
 class Worker:
-    def __init__(self, args: EngineArgs, rank: int = 0):
+    def __init__(self, args: EngineArgs, rank: int = 0, world_size: int = 1, local_rank: int | None = None,
+                 distributed_init_method: str | None = None, with_tokenizer: bool = True):
         self.args = args
+        self.with_tokenizer = with_tokenizer      # executors with remote workers load their own
         self.rank = rank
+        self.world_size = world_size
+        self.local_rank = rank if local_rank is None else local_rank
+        self.distributed_init_method = distributed_init_method
+        self.tp = None
         self.device: torch.device | None = None
         self.model = None
         self.model_config = None
@@ -92,47 +107,60 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cache_blocks = (0, 0)
+        self.sleep_level = 0                 # 0 awake; 1 weights offloaded, KV dropped; 2 both dropped
+        self._offloaded: dict[str, torch.Tensor] = {}
+        self.execute_time = 0.0              # seconds inside execute_model (the worker's own share of a step)
 
     # -- setup ----------------------------------------------------------------------------
     def init_device(self) -> None:
-        self.device = resolve_device(self.args.device)
+        self.device = resolve_device(self.args.device, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(self.args.cpu_threads)
         torch.manual_seed(self.args.seed)
+        self.tp = init_distributed(self.rank, self.world_size, self.distributed_init_method or "", self.device)
+
+    def _backend(self):
+        backend = self.args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        return LengthBucketedTorchBackend() if backend == "torch" else backend
 
     def load_model(self):
         """-> the ModelConfig (the tokenizer stays on the worker: `self.tokenizer`)."""
         args = self.args
-        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        if backend == "torch":
-            backend = LengthBucketedTorchBackend()
         self.model, self.model_config, self.tokenizer = load_model(
-            args.model, args.dtype, self.device, attn_backend=backend)
-        self.runner = ModelRunner(self.model, self.device, args.block_size, Sampler(self.device, args.seed))
+            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp,
+            with_tokenizer=self.with_tokenizer)
+        check_tensor_parallel(self.model_config, self.world_size)
+        sampler = Sampler(self.device, args.seed) if self.tp.is_driver else None
+        self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp)
         return self.model_config
 
     @property
     def kv_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def bytes_per_block(self) -> int:
-        """K and V of one block across all layers."""
+    def _kv_geometry(self) -> dict:
         cfg = self.model_config
-        elems = self.args.block_size * cfg.num_key_value_heads * cfg.head_dim
-        return 2 * cfg.num_hidden_layers * elems * torch.empty((), dtype=self.kv_dtype).element_size()
+        return dict(block_size=self.args.block_size, num_layers=cfg.num_hidden_layers,
+                    num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                    dtype_bytes=torch.empty((), dtype=self.kv_dtype).element_size(), tp=self.world_size)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(GPU-pool blocks, CPU swap-pool blocks) this worker can hold."""
-        per_block = self.bytes_per_block()
+        """(GPU-pool blocks, CPU swap-pool blocks) this rank can hold (its own KV heads only);
+        the executor takes the minimum over ranks."""
         if self.args.kv_cache_memory is not None:
             budget = self.args.kv_cache_memory * GiB
         elif self.device.type == "cuda":
             budget = self._profile_cuda_budget()
         else:
             budget = DEFAULT_CPU_KV_CACHE_GIB * GiB
-        return int(budget // per_block), int(self.args.swap_space * GiB // per_block)
+        geometry = self._kv_geometry()
+        return kv_blocks_per_rank(budget, **geometry), kv_blocks_per_rank(self.args.swap_space * GiB, **geometry)
+
+    def bytes_per_block(self) -> int:
+        return kv_block_bytes_per_rank(**self._kv_geometry())
 
     @torch.inference_mode()
     def _profile_cuda_budget(self) -> float:
@@ -165,7 +193,8 @@ class Worker:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         hidden = self.model(ids, positions, None, md)
         logits = self.model.compute_logits(hidden[torch.tensor(starts[1:], device=dev) - 1])
-        logits.log_softmax(-1).topk(2, dim=-1)
+        if logits is not None:                      # None on non-driver tensor-parallel ranks
+            logits.log_softmax(-1).topk(2, dim=-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         del hidden, logits
@@ -174,7 +203,7 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         cfg = self.model_config
-        shape = (self.args.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (self.args.block_size, kv_heads_per_rank(cfg.num_key_value_heads, self.world_size), cfg.head_dim)
         dtype = self.kv_dtype
         self.gpu_cache = [
             (torch.zeros(num_gpu_blocks, *shape, dtype=dtype, device=self.device),
@@ -187,6 +216,7 @@ class Worker:
              torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin))
             for _ in range(cfg.num_hidden_layers)] if num_cpu_blocks else []
         self.runner.kv_caches = self.gpu_cache
+        self._cache_blocks = (num_gpu_blocks, num_cpu_blocks)
         self._maybe_capture_decode_graphs(num_gpu_blocks)
 
     def _maybe_capture_decode_graphs(self, num_gpu_blocks: int) -> None:
@@ -204,15 +234,21 @@ class Worker:
         self.runner.graph_runner.capture()
 
     # -- per step ---------------------------------------------------------------------------
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, msg: StepMessage) -> ModelRunnerOutput | None:
+        """The driver's sampled tokens; None on the other ranks."""
+        if self.sleep_level:
+            raise RuntimeError(f"rank {self.rank} is asleep (level {self.sleep_level}): wake_up first")
+        t0 = time.perf_counter()
         # Order matters: a swapped-out block may be reused by a swap-in or a copy this step.
-        if out.blocks_to_swap_out:
-            self.swap_out(out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            self.swap_in(out.blocks_to_swap_in)
-        if out.blocks_to_copy:
-            self.copy_blocks(out.blocks_to_copy)
-        return self.runner.execute_model(out)
+        if msg.blocks_to_swap_out:
+            self.swap_out(msg.blocks_to_swap_out)
+        if msg.blocks_to_swap_in:
+            self.swap_in(msg.blocks_to_swap_in)
+        if msg.blocks_to_copy:
+            self.copy_blocks(msg.blocks_to_copy)
+        result = self.runner.execute_model(msg)
+        self.execute_time += time.perf_counter() - t0
+        return result
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block) pairs: device pool -> swap pool."""
@@ -230,8 +266,76 @@ class Worker:
         """(src, dst) pairs inside the device pool (copy-on-write)."""
         copy_blocks(self.gpu_cache, pairs)
 
+    # -- sleep / wake up ----------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> int:
+        """Free this rank's device memory for someone else; returns the bytes released.
+
+        Level 1: the weights move to (pinned) CPU memory, the KV cache is dropped. Level 2:
+        both are dropped; wake_up reloads the weights from the checkpoint. Either way the
+        cache's contents are gone (the engine resets its prefix cache) and the runner's
+        per-sequence state is cleared (the engine sleeps only with nothing running).
+        On CPU, level 1 keeps the weights where they are (they already are in CPU memory)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_level:
+            return 0
+        released = sum(t.numel() * t.element_size() for pair in self.gpu_cache for t in pair)
+        self._set_cache([])
+        params = dict(self.model.named_parameters())
+        if level == 2 or self.device.type != "cpu":
+            for name, p in params.items():
+                if level == 1:
+                    self._offloaded[name] = p.data.to("cpu", copy=True).pin_memory()
+                released += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.runner.reset_states()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.sleep_level = level
+        return released
+
+    def wake_up(self) -> None:
+        if not self.sleep_level:
+            return
+        if self.sleep_level == 2:
+            fresh, _, _ = load_model(self.args.model, self.args.dtype, self.device,
+                                     attn_backend=self._backend(), tp=self.tp, with_tokenizer=False)
+            sources = dict(fresh.named_parameters())
+        else:
+            sources = self._offloaded
+        for name, p in self.model.named_parameters():
+            if name in sources:
+                p.data = sources[name].to(self.device, copy=True)
+        self._offloaded = {}
+        self.sleep_level = 0
+        self.initialize_cache(*self._cache_blocks)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_level)
+
+    def _set_cache(self, cache) -> None:
+        self.gpu_cache = cache
+        self.runner.kv_caches = cache
+        if self.runner.graph_runner is not None:
+            self.runner.graph_runner = None         # captured against the dropped cache
+
+    # -- introspection ---------------------------------------------------------------------
     def get_tokenizer(self):
         return self.tokenizer
 
     def get_timings(self) -> dict[str, float]:
-        return {"prepare_s": self.runner.prepare_time, "steps": self.runner.num_steps}
+        r = self.runner
+        return {"prepare_s": r.prepare_time, "forward_s": r.forward_time, "execute_s": self.execute_time,
+                "steps": r.num_steps}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in weights and in its device KV cache."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv = sum(t.numel() * t.element_size() for pair in self.gpu_cache for t in pair)
+        return {"weights": weights, "kv_cache": kv}
+
+    def num_tracked_seqs(self) -> int:
+        return len(self.runner.seqs)
+
+    def ping(self) -> int:
+        return self.rank

@@ -14,7 +14,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from sim import compare
+from policies import REGISTRY
+from sim import compare, search
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
                         positive_int)
 from sim.engine import ResolvedConfig, resolve, simulate
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sim",
         description="Discrete-event simulation of paged-KV LLM serving: the twinserve core scheduler "
                     "and block manager on a simulated clock priced by a roofline cost model.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,sharing}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,sharing,search}")
     run = sub.add_parser("run", help="simulate one trace and write results",
                          description="Simulate one trace; writes requests.csv, summary.json and "
                                      "timeseries.csv to --out and prints a summary table.")
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rate", type=positive_float, metavar="R", default=None,
                      help="re-time arrivals to this mean rate in req/s (default: the trace's own times)")
     run.add_argument("--out", default="results/run", metavar="DIR", help="results directory (default: %(default)s)")
+    _add_fleet(run)
     sweep = sub.add_parser("sweep", help="simulate over rates (and policies); one CSV table",
                            description="Run the trace at several request rates (and policy variants) and "
                                        "write one CSV row per run with the key summary columns.")
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", default="results/sweep.csv", metavar="CSV", help="CSV table to write (default: %(default)s)")
     sweep.add_argument("--save-runs", default=None, metavar="DIR",
                        help="also write each run's result files under DIR/<rate>-<policy>/")
+    _add_ray(sweep)
 
     cmp = sub.add_parser("compare", help="compare policies over request rates: table, CSV, plots",
                          description="Run the trace at each rate under each policy and print a comparison "
@@ -120,7 +123,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="shared system prompt lengths (default: %(default)s)")
     sh.add_argument("--out", default="results/sharing.csv", metavar="CSV", help="CSV to write (default: %(default)s)")
     sh.add_argument("--plot", default=None, metavar="DIR", help="write sharing_savings.png to DIR")
+    search.add_parser(sub)
     return parser
+
+
+def _add_fleet(p: argparse.ArgumentParser) -> None:
+    from sim.disagg import LINKS
+    g = p.add_argument_group("fleet (sim.fleet, sim.disagg)")
+    g.add_argument("--replicas", type=positive_int, metavar="N", default=1,
+                   help="N replicas of the deployment behind --router, on one clock (default: 1)")
+    g.add_argument("--router", default=None, choices=list(REGISTRY["router"]),
+                   help="which replica takes each request (default: round-robin)")
+    g.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="P prefill and D decode replicas; the KV moves over --link (replaces --replicas)")
+    g.add_argument("--link", default="nvlink", choices=list(LINKS),
+                   help="--disaggregate: KV transfer link preset (default: nvlink)")
+    g.add_argument("--link-bandwidth", type=positive_float, metavar="GBPS", default=None,
+                   help="--disaggregate: link bandwidth in GB/s per GPU (default: the preset's)")
+    g.add_argument("--slo-ttft", type=positive_float, metavar="S", default=None,
+                   help="fleet runs: report goodput, requests meeting TTFT <= S and --slo-tpot")
+    g.add_argument("--slo-tpot", type=positive_float, metavar="S", default=None, help="(see --slo-ttft)")
+
+
+def _add_ray(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray", action="store_true", help="run the points as Ray tasks (local cores by default)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR", help="an existing Ray cluster (implies --ray)")
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
@@ -162,11 +189,42 @@ def _load(args: argparse.Namespace, rate: float | None, max_model_len: int | Non
 def cmd_run(args: argparse.Namespace) -> int:
     resolved = _resolve(_config(args))
     trace = _load(args, args.rate, resolved.scheduler.max_model_len)
+    if args.replicas > 1 or args.router or args.disaggregate:
+        return _run_fleet(args, resolved, trace)
+    if args.slo_ttft or args.slo_tpot:
+        raise UsageError("--slo-ttft/--slo-tpot report a fleet's goodput: add --replicas, --router or --disaggregate")
     started = time.perf_counter()
     result = simulate(resolved, trace, progress=not args.quiet)
     wall = time.perf_counter() - started
     summary = write_results(result, args.out)
     print(format_summary(summary))
+    print(f"results in {args.out}/ (simulated in {wall:.2f} s wall)")
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace, resolved: ResolvedConfig, trace: Trace) -> int:
+    from sim.disagg import DisaggConfig, DisaggFleet, parse_split
+    from sim.fleet import Fleet, FleetConfig, format_fleet_summary, write_fleet_results
+    if (args.slo_ttft is None) != (args.slo_tpot is None):
+        raise UsageError("give both --slo-ttft and --slo-tpot")
+    slo = (args.slo_ttft, args.slo_tpot) if args.slo_ttft else None
+    try:
+        if args.disaggregate:
+            if args.replicas > 1:
+                raise ValueError("--disaggregate P:D sets the replica counts; drop --replicas")
+            p, d = parse_split(args.disaggregate)
+            dconf = DisaggConfig(resolved.config, p, d, args.link, args.link_bandwidth, args.router or "round-robin")
+            fleet = DisaggFleet(dconf, trace, progress=not args.quiet)
+        else:
+            fleet = Fleet(FleetConfig(resolved.config, args.replicas, args.router or "round-robin"), trace,
+                          progress=not args.quiet, resolved=resolved)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    started = time.perf_counter()
+    result = fleet.run()
+    wall = time.perf_counter() - started
+    summary = write_fleet_results(result, args.out, slo)
+    print(format_fleet_summary(summary))
     print(f"results in {args.out}/ (simulated in {wall:.2f} s wall)")
     return 0
 
@@ -205,15 +263,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
+    points = []
     for rate, (label, resolved) in itertools.product(rates, runs):
-        if not args.quiet:
-            print(f"rate {rate:g} req/s{', ' + label if label else ''} ...", file=sys.stderr)
-        result = simulate(resolved, traces[rate], progress=not args.quiet)
-        if args.save_runs:
-            name = f"rate{rate:g}" + (f"-{label.replace('=', '_').replace('+', '-')}" if label else "")
-            summary = write_results(result, Path(args.save_runs) / name)
-        else:
-            summary = build_summary(result)
+        name = f"rate{rate:g}" + (f"-{label.replace('=', '_').replace('+', '-')}" if label else "")
+        points.append((resolved, traces[rate], str(Path(args.save_runs) / name) if args.save_runs else None))
+    from sim.parallel import run_points
+    summaries = run_points(sweep_point, points, use_ray=args.ray or bool(args.ray_address),
+                           ray_address=args.ray_address, desc="sweep", progress=not args.quiet)
+    for (rate, (label, _)), summary in zip(itertools.product(rates, runs), summaries):
         row = {"rate": rate, "policy": label or "/".join(
             f"{summary['config'][k]}" for k in ("queue", "preemption", "victim", "eviction"))}
         row.update({k: summary.get(k) for k in SWEEP_COLUMNS[2:]})
@@ -231,6 +288,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               f"norm {_fmt_ms(row['mean_normalized_latency'])}/tok  preempt {row['num_preemptions']}")
     print(f"wrote {out}")
     return 0
+
+
+def sweep_point(resolved: ResolvedConfig, trace: Trace, save_dir: str | None) -> dict:
+    """One sweep run (a Ray task with --ray): its summary, and its result files if asked."""
+    result = simulate(resolved, trace)
+    return write_results(result, save_dir) if save_dir else build_summary(result)
 
 
 def _write_csv(path: str | Path, columns, rows: list[dict]) -> Path:
@@ -278,15 +341,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print()
         print(compare.format_sustainable(rows, bound))
     if args.plot:
-        from plots import figures
-        plot_dir = Path(args.plot)
-        top = max(rates)
-        figures.latency_vs_rate(rows, plot_dir / "latency_vs_rate.png",
-                                title=f"Normalized latency vs request rate ({configs[0][1].model})", bound=bound)
-        figures.memory_breakdown({r["policy"]: {c: r[f"{c}_share"] or 0.0 for c in figures.BREAKDOWN_ORDER}
-                                  for r in rows if r["rate"] == top}, plot_dir / "memory_breakdown.png",
-                                 title=f"KV memory in use, time-averaged ({top:g} req/s)")
-        print(f"plots in {plot_dir}/")
+        compare.plot_comparison(rows, args.plot, config=base, trace=args.trace, bound=bound)
+        print(f"plots in {args.plot}/")
     print(f"wrote {out}")
     return 0
 
@@ -320,6 +376,13 @@ def cmd_sharing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_search(args: argparse.Namespace) -> int:
+    try:
+        return search.cmd_search(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _fmt_ms(v) -> str:
     return "      -" if v is None else f"{v * 1e3:7.1f} ms"
 
@@ -328,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "sharing": cmd_sharing}[args.command](args)
+        return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "sharing": cmd_sharing,
+                "search": _cmd_search}[args.command](args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
+from core.kv_capacity import kv_block_bytes_per_rank, kv_blocks_per_rank
 from sim.specs import HardwareSpec, ModelSpec
 
 # --- defaults (datasheet peaks are never reached; these turn them into achieved rates)
@@ -136,8 +137,7 @@ def check_tp(model: ModelSpec, tp: int) -> None:
 
 def kv_bytes_per_token_per_rank(model: ModelSpec, tp: int = 1) -> int:
     """KV bytes one rank stores per token; KV heads are replicated when tp > kv_heads."""
-    kv_heads = -(-model.num_kv_heads // tp)  # ceil
-    return 2 * model.num_layers * kv_heads * model.head_dim * model.dtype_bytes
+    return kv_block_bytes_per_rank(1, model.num_layers, model.num_kv_heads, model.head_dim, model.dtype_bytes, tp)
 
 
 def kv_block_bytes(model: ModelSpec, block_size: int, tp: int = 1) -> int:
@@ -358,4 +358,5 @@ def kv_cache_capacity_blocks(
             f"{gpu_memory_utilization}; raise tp or pick larger hardware"
         )
     free = budget - weights - activation_peak_bytes(model, max_num_batched_tokens, tp)
-    return max(0, math.floor(free / kv_block_bytes(model, block_size, tp)))
+    return kv_blocks_per_rank(free, block_size, model.num_layers, model.num_kv_heads, model.head_dim,
+                              model.dtype_bytes, tp)

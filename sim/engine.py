@@ -517,6 +517,10 @@ class SimEngine:
         lost = [self.trace.requests[i].request_id for i, r in enumerate(self.records) if r is None]
         if lost:
             raise RuntimeError(f"{len(lost)} requests never finished (first: {lost[:5]})")
+        return self.build_result(self.records, self.max_tokens)
+
+    def build_result(self, records: list[RequestRecord], requested_output_lens: list[int]) -> SimResult:
+        """This engine's SimResult over `records` (a fleet replica passes the ones it served)."""
         sched = self.scheduler
         stats = sched.kv.stats()
         num_blocks = self.resolved.cache.num_gpu_blocks
@@ -537,7 +541,7 @@ class SimEngine:
             "num_evictions": stats.num_evictions,
         }
         breakdown, sharing = self.memory.summary(total)
-        return SimResult(self.resolved, self.trace.source, self.records, self.max_tokens, total, self.num_steps,
+        return SimResult(self.resolved, self.trace.source, records, requested_output_lens, total, self.num_steps,
                          self.num_normal_steps, sched.num_preemptions, sched.num_swaps, self.executor.swap_seconds,
                          self.executor.num_swapped_blocks, kv, tw, self.timeseries, breakdown, sharing)
 

@@ -23,8 +23,7 @@ from traces import load_trace, retime
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT = ROOT / "traces" / "sharegpt.json"
-SHARED_TRACES = ROOT.parent / "shared" / "traces"
-MOONCAKE = SHARED_TRACES / "mooncake_conversation.jsonl"
+MOONCAKE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 PY = sys.executable
 
 
@@ -115,7 +114,6 @@ def test_event_skipping_equivalence_swap_and_fork(sharegpt):
     assert_equivalent(skip, step)
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/traces/mooncake_conversation.jsonl")
 def test_event_skipping_equivalence_mooncake_prefix_sharing():
     """Shared-prefix Mooncake slice with prefix caching and a pool small enough to evict."""
     trace = retime(load_trace(MOONCAKE, limit=120), time_scale=0.5)

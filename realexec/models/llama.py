@@ -4,6 +4,13 @@ One flat batch per step: `input_ids`/`positions` are [T] (the new tokens of ever
 scheduled sequence, concatenated); attention reads/writes the paged KV cache through
 `AttentionMetadata`. Projections are fused (qkv, gate+up); `load_weights` stacks the
 separate Hugging Face tensors into them.
+
+Tensor parallelism (Megatron style) over a `TPGroup` of `tp` ranks: qkv and gate+up are
+column-parallel (each rank holds num_heads/tp query heads, num_kv_heads/tp KV heads and
+intermediate/tp MLP columns; its KV cache holds only its KV heads), o_proj and down_proj
+are row-parallel (partial sums, all-reduced, bias added once), the embedding and the LM
+head are vocab-parallel (each rank holds vocab/tp rows; embeddings all-reduced, logits
+gathered on the driver). `load_weights` cuts each rank's slice from the full checkpoint.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, get_attention_backend
+from ..parallel import TPGroup
 from .config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -82,15 +90,51 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard @ W_shard^T) + b: the input features are split over ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * V/tp, (rank + 1) * V/tp) of the (padded) vocabulary on each rank."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, backend, tp: TPGroup):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+            cfg.num_attention_heads // tp.size, cfg.num_key_value_heads // tp.size, cfg.head_dim)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(self.q_size * tp.size, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.backend = backend
 
     def forward(self, x, cos, sin, kv_cache: KVCache | None, md: AttentionMetadata) -> torch.Tensor:
@@ -105,10 +149,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -116,12 +161,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, backend, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, h, cos, sin, kv_cache, md):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, md)
@@ -136,17 +181,19 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_backend: str | object = "torch", max_position: int | None = None):
+    def __init__(self, cfg: ModelConfig, attn_backend: str | object = "torch", max_position: int | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.config = cfg
+        self.tp = tp = tp or TPGroup()
         backend = get_attention_backend(attn_backend) if isinstance(attn_backend, str) else attn_backend
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
         # Tied models have no lm_head: logits use the embedding matrix.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -159,9 +206,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (usually one row per sequence) -> fp32 logits [N, vocab]."""
+        """hidden [N, hidden] (usually one row per sequence) -> fp32 logits [N, vocab]
+        (under tensor parallelism: on the driver rank; None on the others)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = self.tp.gather_last_dim(F.linear(hidden, weight).float())
+        if logits is not None and logits.shape[-1] != self.config.vocab_size:
+            logits = logits[:, :self.config.vocab_size]      # the padding rows of the last shard
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -189,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
             dest = params[name]
             if shard is not None:
                 dest = self._shard(dest, name, shard)
+            tensor = self._rank_slice(name, shard, tensor)
+            if name in ("embed_tokens.weight", "lm_head.weight") and dest.shape[0] != tensor.shape[0]:
+                dest[tensor.shape[0]:].zero_()                   # vocab padding rows of the last shard
+                dest = dest[:tensor.shape[0]]
             if dest.shape != tensor.shape:
                 raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
             dest.copy_(tensor)
@@ -198,11 +253,29 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
     def _shard(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
-        """The rows of a fused parameter that hold one stacked projection."""
-        cfg = self.config
+        """The rows of a fused parameter that hold one stacked projection (this rank's part)."""
+        cfg, tp = self.config, self.tp.size
         if ".qkv_proj." in name:
-            sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+            sizes = [cfg.q_size // tp, cfg.kv_size // tp, cfg.kv_size // tp]
         else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+            sizes = [cfg.intermediate_size // tp] * 2
         return param.split(sizes, dim=0)[shard]
+
+    def _rank_slice(self, name: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor: output rows of column-parallel
+        projections (per stacked projection), input columns of row-parallel weights, vocab
+        rows of the embedding and LM head; norms and row-parallel biases are whole."""
+        tp, rank = self.tp.size, self.tp.rank
+        if tp == 1:
+            return tensor
+        if shard is not None:
+            rows = tensor.shape[0] // tp
+            return tensor[rank * rows:(rank + 1) * rows]
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            cols = tensor.shape[1] // tp
+            return tensor[:, rank * cols:(rank + 1) * cols]
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            rows = -(-self.config.vocab_size // tp)
+            return tensor[rank * rows:(rank + 1) * rows]
+        return tensor
 

@@ -1,0 +1,140 @@
+"""The step as a message: what workers rebuild from the messages is exactly what the
+scheduler decided, the message survives serialization, carries O(changes) per step, and
+no worker-side module can reach scheduler objects."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+
+from core import CacheConfig, EngineCore, Request, SamplingParams, Scheduler, SchedulerConfig
+from core.step_message import StepMessageBuilder
+from policies import PolicySet
+from realexec.model_runner import ModelRunner
+from realexec.serialization import decode_step, decode_step_pickle, encode_step, encode_step_pickle
+from tests.toy_executor import VOCAB, ToyExecutor
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 4
+
+
+class MirroringExecutor(ToyExecutor):
+    """The toy executor, plus a worker-side state fed only with encoded messages; every
+    step checks that the state the worker would compute from equals the scheduler's."""
+
+    def __init__(self):
+        super().__init__()
+        self.builder = StepMessageBuilder()
+        self.runner = ModelRunner(None, "cpu", BS, None)
+        self.bytes = []
+
+    def execute_model(self, out):
+        msg = self.builder.build(out)
+        data = encode_step(msg)
+        self.bytes.append(len(data))
+        decoded = decode_step(data)
+        assert decoded == msg
+        assert decode_step_pickle(encode_step_pickle(msg)) == msg
+        self.runner.update_states(decoded)
+        for s in out.scheduled:
+            mine = self.runner.seqs[s.seq_id]
+            end = s.start + s.num_tokens
+            assert mine.token_ids[:end] == s.seq.token_ids[:end], s
+            assert mine.block_ids == s.block_table, s
+            assert mine.request.params == s.seq.request.params
+        # The workers hold exactly the live sequences they were ever sent.
+        assert set(self.runner.seqs) == set(self.builder._sent)
+        return super().execute_model(out)
+
+
+@given(
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=8),
+    outs=st.lists(st.integers(1, 12), min_size=8, max_size=8),
+    ns=st.lists(st.sampled_from([1, 1, 2, 3]), min_size=8, max_size=8),
+    beam=st.booleans(),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    caching=st.booleans(),
+    blocks=st.integers(10, 30),
+    budget=st.integers(4, 40),
+    abort_at=st.integers(0, 30),
+)
+def test_workers_rebuild_the_schedulers_view(lengths, outs, ns, beam, preemption, caching, blocks, budget,
+                                             abort_at):
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=40),
+                      CacheConfig(block_size=BS, num_gpu_blocks=blocks, num_cpu_blocks=16,
+                                  enable_prefix_caching=caching, watermark=0.0),
+                      PolicySet.from_names(preemption=preemption))
+    ex = MirroringExecutor()
+    engine = EngineCore(sched, ex)
+    shared = [7, 8, 9, 10, 11, 12, 13, 14]            # a common prefix: prefix-cache hits
+    for i, n in enumerate(lengths):
+        prompt = (shared + [(i * 5 + j) % VOCAB for j in range(n)])[:36]
+        params = (SamplingParams(beam_width=2, max_tokens=outs[i], temperature=0.0) if beam and i == 0 else
+                  SamplingParams(n=ns[i], max_tokens=outs[i]))
+        engine.add_request(Request(f"r{i}", prompt, params, eos_token_id=None))
+    steps = 0
+    while sched.has_unfinished_requests() or sched._finished:
+        engine.step()
+        steps += 1
+        if steps == abort_at:
+            sched.abort("r1")
+        assert steps < 2000
+    engine.step()                                       # an empty step still drops nothing
+    # After the last departures reach the workers, nothing is left behind.
+    ex.runner.update_states(ex.builder.build(type("Empty", (), {"scheduled": [], "blocks_to_swap_out": [],
+                                                                "blocks_to_swap_in": [], "blocks_to_copy": []})()))
+    assert not ex.runner.seqs and not ex.runner.requests and not ex.builder._sent
+
+
+def test_message_size_is_o_changes_not_o_context():
+    """A steady decode step costs the same bytes at context 12 and at context 300."""
+    def decode_bytes(prompt_len):
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=1024),
+                          CacheConfig(block_size=16, num_gpu_blocks=400), PolicySet())
+        ex = MirroringExecutor()
+        ex.runner.block_size = 16
+        engine = EngineCore(sched, ex)
+        for i in range(8):
+            engine.add_request(Request(f"r{i}", [(i + j) % VOCAB for j in range(prompt_len)],
+                                       SamplingParams(max_tokens=6, ignore_eos=True)))
+        for _ in range(4):
+            engine.step()
+        return ex.bytes
+
+    short, long = decode_bytes(13), decode_bytes(301)
+    assert long[0] - short[0] >= 8 * (301 - 13)         # the prefill step carries the prompts once
+    assert all(abs(a - b) <= 8 * 3 for a, b in zip(short[2:], long[2:]))   # decode: a few bytes per int
+    assert short[2] < 8 * 100                           # tens of bytes per sequence
+
+
+# Modules that run inside workers (in-process, worker processes, Ray actors).
+WORKER_MODULES = ["realexec/worker.py", "realexec/model_runner.py", "realexec/sampler.py", "realexec/parallel.py",
+                  "realexec/serialization.py", "realexec/mp_executor.py", "realexec/ray_executor.py",
+                  "realexec/loader.py", *[str(p.relative_to(ROOT)) for p in (ROOT / "realexec/models").glob("*.py")],
+                  *[str(p.relative_to(ROOT)) for p in (ROOT / "realexec/attention").glob("*.py")]]
+FORBIDDEN_MODULES = {"core.scheduler", "core.request", "core.engine", "core.kv_cache_manager", "core.block_pool"}
+FORBIDDEN_NAMES = {"Scheduler", "SchedulerOutput", "ScheduledSeq", "Sequence", "Request", "EngineCore",
+                   "KVCacheManager"}
+
+
+def scheduler_imports(path: Path) -> list[str]:
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name in FORBIDDEN_MODULES]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module in FORBIDDEN_MODULES:
+                bad.append(node.module)
+            elif node.module == "core":
+                bad += [f"core.{a.name}" for a in node.names if a.name in FORBIDDEN_NAMES | {"scheduler"}]
+    return bad
+
+
+@pytest.mark.parametrize("module", WORKER_MODULES)
+def test_no_worker_module_imports_the_scheduler(module):
+    path = ROOT / module
+    if not path.exists():
+        pytest.skip(f"{module} not present")
+    assert scheduler_imports(path) == []
