@@ -231,7 +231,7 @@ class ContiguousKVCacheManager:
         raise SwapSpaceExhaustedError("contiguous allocation has no swap space")
 
     # -- steady decode spans -----------------------------------------------------------------
-    def shares_last_block(self, seq: Sequence) -> bool:
+    def writes_into_shared_block(self, seqs: list[Sequence]) -> bool:
         return False                                        # no sharing: a fork copies
 
     def blocks_to_grow(self, seqs: list[Sequence], num_steps: int) -> int:

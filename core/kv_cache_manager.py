@@ -263,8 +263,9 @@ class KVCacheManager:
         """A request left the GPU (finished or recomputed): drop per-request state (none here)."""
 
     # -- steady decode spans (core.event_skipping) -----------------------------------------
-    def shares_last_block(self, seq: Sequence) -> bool:
-        return seq.num_computed_tokens % self.block_size != 0 and self.gpu.ref_cnt[self.tables[seq.seq_id][-1]] > 1
+    def writes_into_shared_block(self, seqs: list[Sequence]) -> bool:
+        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+        return any(s.num_computed_tokens % bs and ref[tables[s.seq_id][-1]] > 1 for s in seqs)
 
     def blocks_to_grow(self, seqs: list[Sequence], num_steps: int) -> int:
         bs, tables = self.block_size, self.tables
