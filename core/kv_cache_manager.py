@@ -46,6 +46,8 @@ class KVCacheManager:
         self.hash_block = block_hasher(hash_algo)    # chained over parent key, tokens, salt (core/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockPool(num_gpu_blocks, evictor if enable_prefix_caching else None, "gpu")
+        self._gpu_ref_cnt = self.gpu.ref_cnt          # the pool's list (never replaced): one lookup on the hot path
+        self._last_offset = block_size - 1            # a token here fills its block
         self.cpu = BlockPool(num_cpu_blocks, None, "cpu")
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.tables: dict[int, list[int]] = {}       # seq_id -> GPU block ids
@@ -183,10 +185,10 @@ class KVCacheManager:
     def decode_table(self, seq: Sequence) -> list[int] | None:
         # One more token that neither starts a block, nor fills one (nothing to publish),
         # nor lands in a shared block.
-        c, bs = seq.num_computed_tokens, self.block_size
-        if c % bs and (c + 1) % bs:
+        offset = seq.num_computed_tokens % self.block_size
+        if offset and offset != self._last_offset:
             table = self.tables[seq.seq_id]
-            if self.gpu.ref_cnt[table[-1]] == 1:
+            if self._gpu_ref_cnt[table[-1]] == 1:
                 return table
         return None
 
@@ -275,8 +277,9 @@ class KVCacheManager:
         """A request left the GPU (finished or recomputed): drop per-request state (none here)."""
 
     # -- steady decode spans (core.event_skipping) -----------------------------------------
-    def shares_last_block(self, seq: Sequence) -> bool:
-        return seq.num_computed_tokens % self.block_size != 0 and self.gpu.ref_cnt[self.tables[seq.seq_id][-1]] > 1
+    def writes_into_shared_block(self, seqs: list[Sequence]) -> bool:
+        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+        return any(s.num_computed_tokens % bs and ref[tables[s.seq_id][-1]] > 1 for s in seqs)
 
     def blocks_to_grow(self, seqs: list[Sequence], num_steps: int) -> int:
         bs, tables = self.block_size, self.tables

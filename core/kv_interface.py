@@ -81,8 +81,9 @@ class KVManager(Protocol):
     def swap_in(self, seqs: list["Sequence"]) -> list[tuple[int, int]]: ...
 
     # -- steady decode spans (core.event_skipping) -------------------------------------------
-    def shares_last_block(self, seq: "Sequence") -> bool:
-        """Would `seq`'s next token be written into a block another table holds (a copy)?"""
+    def writes_into_shared_block(self, seqs: list["Sequence"]) -> bool:
+        """Would the next token of any of `seqs` land in a block another table holds (so
+        the step copies on write)?"""
     def blocks_to_grow(self, seqs: list["Sequence"], num_steps: int) -> int:
         """Blocks `num_steps` more decode tokens per sequence would take from the free pool."""
     def free_blocks(self, evicting: bool = True) -> int:

@@ -182,11 +182,12 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             seqs = request.seqs
-            if len(seqs) == 1 and not request.params.beam_width:
+            params = request.params
+            if len(seqs) == 1 and not params.beam_width:
                 # Fast path: a single-sequence decode that the manager can take as is.
                 seq = seqs[0]
                 c = seq.num_computed_tokens
-                if len(seq.token_ids) - c == 1 and (request._forked or request.params.n == 1):
+                if len(seq.token_ids) - c == 1 and (params.n == 1 or request._forked):
                     table = decode_table(seq)
                     if table is not None:
                         scheduled.append(ScheduledSeq(seq, c, 1, 1, table))
@@ -422,6 +423,7 @@ class Scheduler:
         beam_batch: dict[int, list[Sequence]] = {}
         last_request = None
         max_len = self.config.max_model_len
+        no_logprobs = top is None and logprobs is None
         for s in out.scheduled:
             if not s.num_samples:
                 continue
@@ -429,17 +431,18 @@ class Scheduler:
             request = seq.request
             if request.status is not RUNNING or seq.status is not RUNNING:
                 continue
-            if request.params.beam_width:
+            params = request.params
+            if params.beam_width:
                 beam_batch.setdefault(id(request), []).append(seq)
                 continue
             toks = token_ids[seq.seq_id]
-            if s.num_samples == 1 and top is None and logprobs is None:
+            if no_logprobs and s.num_samples == 1:
                 # Common path: one token, no logprobs.
                 tok = toks[0]
                 tokens = seq.token_ids
                 tokens.append(tok)
                 n = len(tokens)
-                status = stop_status(request.params, request.eos_token_id, tok, n - seq.num_prompt_tokens, n, max_len)
+                status = stop_status(params, request.eos_token_id, tok, n - seq.num_prompt_tokens, n, max_len)
                 if status is not None:
                     self._finish_seq(seq, status)
                 if request is not last_request:

@@ -39,13 +39,13 @@ from dataclasses import asdict, dataclass, field
 
 import simpy
 
-from core.config import default_max_model_len, default_max_num_batched_tokens
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
+from core.config import default_max_model_len, default_max_num_batched_tokens
 from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
 from core.metrics import RequestRecord
 from policies import PolicySet
-from sim.config import DEFAULT_HARDWARE, DEFAULT_MODEL, SimConfig  # noqa: F401 (re-exported)
+from sim.config import SimConfig
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
 from sim.memory import MemoryAccumulator, SpanModel, sample as memory_sample

@@ -7,7 +7,7 @@ outputs of an unpreempted run; budgets, FCFS order and liveness are checked too.
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, given, settings, strategies as st
+from hypothesis import event, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
