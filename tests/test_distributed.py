@@ -159,6 +159,27 @@ def test_tp2_ray_matches_tp1(tiny, reference, ray_cluster):
         llm.shutdown()
 
 
+def test_ray_hung_actor_named(tiny, ray_cluster):
+    """A stopped actor (SIGSTOP) is found by the liveness probe once worker_timeout passes."""
+    llm = LLM(model=tiny, tensor_parallel_size=2, distributed_executor_backend="ray", block_size=4,
+              num_gpu_blocks=64)
+    ex = llm.engine.executor
+    ex.args.worker_timeout = 3.0              # after start-up (loading may take longer here)
+    try:
+        llm.engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, **GREEDY))
+        llm.engine.step()
+        os.kill(ex.pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker rank 1 failed: hung during step \d+.*"
+                                              r"not answering a liveness probe: \[1\]"):
+            while True:
+                llm.engine.step()
+        assert time.monotonic() - t0 < 20
+        assert_gone(ex.pids)
+    finally:
+        llm.shutdown()
+
+
 # ----------------------------------------------------------------------------- sleep / wake
 
 def _rss_bytes() -> int:
