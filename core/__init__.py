@@ -5,13 +5,15 @@ drive this same code.
 """
 from core.config import CacheConfig, SchedulerConfig
 from core.engine import EngineCore, Executor
-from core.kv_cache_manager import KVCacheManager, SwapSpaceExhaustedError, hash_block
+from core.block_hash import block_hasher, register_block_hasher
+from core.kv_cache_manager import KVCacheManager, SwapSpaceExhaustedError
 from core.request import Request, RequestStatus, Sequence
 from core.sampling_params import InvalidRequestError, SamplingParams
-from core.scheduler import ModelRunnerOutput, ScheduledSeq, Scheduler, SchedulerOutput, StepResult
+from core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, StepResult
+from core.scheduler import Scheduler
 
 __all__ = [
     "CacheConfig", "SchedulerConfig", "EngineCore", "Executor", "KVCacheManager", "SwapSpaceExhaustedError",
-    "hash_block", "Request", "RequestStatus", "Sequence", "InvalidRequestError", "SamplingParams",
+    "block_hasher", "register_block_hasher", "Request", "RequestStatus", "Sequence", "InvalidRequestError", "SamplingParams",
     "ModelRunnerOutput", "ScheduledSeq", "Scheduler", "SchedulerOutput", "StepResult",
 ]

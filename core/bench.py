@@ -16,14 +16,15 @@ from core import CacheConfig, ModelRunnerOutput, Request, SamplingParams, Schedu
 from policies import PolicySet
 
 
-def _engine(num_seqs: int, caching: bool, block_size: int = 16) -> Scheduler:
+def _engine(num_seqs: int, caching: bool, block_size: int = 16, hash_algo: str = "sha256") -> Scheduler:
     prompt_len, max_tokens = 128, 100_000
     max_model_len = 8192
     blocks = num_seqs * (max_model_len // block_size) // 4 + 64
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(num_seqs, 2048) * 2,
                         max_model_len=max_model_len),
-        CacheConfig(block_size=block_size, num_gpu_blocks=blocks, enable_prefix_caching=caching),
+        CacheConfig(block_size=block_size, num_gpu_blocks=blocks, enable_prefix_caching=caching,
+                    prefix_caching_hash_algo=hash_algo),
         PolicySet(),
     )
     for i in range(num_seqs):
@@ -36,8 +37,8 @@ def _sample(out) -> ModelRunnerOutput:
     return ModelRunnerOutput(token_ids={s.seq.seq_id: [s.start % 49000 + 1] for s in out.scheduled if s.num_samples})
 
 
-def measure(num_seqs: int, caching: bool, steps: int) -> dict:
-    sched = _engine(num_seqs, caching)
+def measure(num_seqs: int, caching: bool, steps: int, hash_algo: str = "sha256") -> dict:
+    sched = _engine(num_seqs, caching, hash_algo=hash_algo)
     # Warm up: admit everything and run a few decode steps.
     warm = 0
     while sched.num_waiting or warm < 5:
@@ -65,12 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m core.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="64,256,1024")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--hash-algo", default="sha256", help="prefix-cache block hash: sha256 | builtin [sha256]")
     args = ap.parse_args(argv)
     target = 10.0
     print(f"{'running seqs':>12} {'prefix cache':>12} {'us/step':>10} {'us/seq/step':>12} {'vs target':>10}")
     for n in (int(x) for x in args.seqs.split(",")):
         for caching in (False, True):
-            r = measure(n, caching, args.steps)
+            r = measure(n, caching, args.steps, args.hash_algo)
             print(f"{n:>12} {'on' if caching else 'off':>12} {r['us_per_step']:>10.1f} {r['us_per_seq']:>12.2f} "
                   f"{r['us_per_seq'] / target:>9.2f}x")
     print(f"target: <= {target:.0f} us per running sequence per decode step (schedule + update)")

@@ -39,6 +39,11 @@ class BlockPool:
         return len(self._free) + (len(self.evictor) if self.evictor is not None else 0)
 
     @property
+    def num_uncached_free(self) -> int:
+        """Free blocks an allocation can take without evicting a cached block."""
+        return len(self._free)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 

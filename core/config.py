@@ -3,6 +3,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.block_hash import block_hasher
+# Defaults both backends derive the same way (the simulator's `resolve`, the real engine).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """The step's token budget when none is given: chunked prefill splits long prompts, so a
+    fixed budget works; without it one step must hold a whole max_model_len prompt."""
+    if enable_chunked_prefill:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+
+
+def default_max_model_len(model_max_len: int, num_gpu_blocks: int, block_size: int, cap: int | None = None) -> int:
+    """max_model_len when none is given: the model's context, capped at what the KV cache
+    holds (one sequence must fit), and at `cap` if the backend sets one."""
+    length = min(model_max_len, num_gpu_blocks * block_size)
+    return length if cap is None else min(length, cap)
+
 
 @dataclass
 class CacheConfig:
@@ -11,6 +30,7 @@ class CacheConfig:
     num_cpu_blocks: int = 0          # swap space; 0 disables swapping (swap falls back to recompute)
     enable_prefix_caching: bool = False
     watermark: float = 0.01          # fraction of GPU blocks new admissions must leave free
+    prefix_caching_hash_algo: str = "sha256"   # block keys: sha256 | builtin | registered (core/block_hash.py)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -21,6 +41,7 @@ class CacheConfig:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        block_hasher(self.prefix_caching_hash_algo)     # raises for an unknown name
 
 
 @dataclass
@@ -38,6 +59,14 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            # The cap splits long prompts into chunks; without chunking such a prompt could
+            # never be scheduled (it would wait forever).
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} caps a prompt's chunk per "
+                f"step, which needs chunked prefill: enable chunked prefill or set the threshold to 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

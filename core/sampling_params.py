@@ -5,7 +5,12 @@ from dataclasses import dataclass, field
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses up front; the message says which field and why."""
+    """A request the engine refuses up front; the message says why, `param` names the
+    offending field (an OpenAI error's `param`) when one field is to blame."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -24,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None      # return this many top logprobs per token
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None    # requests share cached prefix blocks only with the same salt
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,7 +42,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise InvalidRequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+            raise InvalidRequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}", name)
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
@@ -48,10 +54,12 @@ class SamplingParams:
             bad("max_tokens", "must be an integer >= 1 (or None for 'until the context is full')")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", "must be in [0, max_tokens]")
-        if not (self.temperature >= 0.0):
-            bad("temperature", "must be >= 0")
+        if not (0.0 <= self.temperature < float("inf")):
+            bad("temperature", "must be a finite number >= 0")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            bad("seed", "must be a 64-bit signed integer")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 disables)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
@@ -60,6 +68,12 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if self.stop and self.beam_width:
+            # Beams are reshuffled every step and detokenized only at the end (as in vLLM,
+            # whose beam search does not take stop strings either): refuse, never ignore.
+            bad("stop", "stop strings are not supported with beam search")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt", "must be a non-empty string")
 
     @property
     def num_seqs_max(self) -> int:

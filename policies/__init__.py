@@ -8,12 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from core.config import CacheConfig
+from core.kv_interface import KVManager
 from core.policy_api import Evictor, PreemptionModePolicy, QueuePolicy, VictimPolicy
 from policies.eviction import FIFOEvictor, LFUEvictor, LRUEvictor
 from policies.preemption import (AutoMode, LeastComputedVictim, LowestPriorityVictim, NewestVictim,
                                  RecomputeMode, SwapMode)
 from policies.allocation import ALLOCATIONS
 from policies.queue import FCFSPolicy, LongestPrefixMatchPolicy, PriorityPolicy, ShortestJobFirstPolicy
+from policies.router import ROUTERS
 
 REGISTRY: dict[str, dict[str, Callable[[], object]]] = {
     "queue": {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "sjf": ShortestJobFirstPolicy,
@@ -23,6 +26,7 @@ REGISTRY: dict[str, dict[str, Callable[[], object]]] = {
                "least-computed": LeastComputedVictim},
     "eviction": {"lru": LRUEvictor, "lfu": LFUEvictor, "fifo": FIFOEvictor},
     "allocation": ALLOCATIONS,
+    "router": ROUTERS,                  # fleets (sim.fleet): which replica serves a request
 }
 
 
@@ -45,10 +49,9 @@ class PolicySet:
     eviction: Callable[[], Evictor] = LRUEvictor     # a factory: one evictor per pool
     allocation: str = "paged"                        # or a contiguous baseline: orca-max/-pow2/-oracle
 
-    @property
-    def reservation(self):
-        """None for paged allocation; else the reservation rule the core's contiguous manager uses."""
-        return make("allocation", self.allocation)
+    def make_kv_manager(self, cache: CacheConfig, max_model_len: int) -> KVManager:
+        """The KV manager the allocation policy names (paged, or an Orca baseline)."""
+        return make("allocation", self.allocation).make_kv_manager(cache, max_model_len, self.eviction)
 
     @classmethod
     def from_names(cls, queue: str = "fcfs", preemption: str = "recompute", victim: str = "newest",

@@ -222,8 +222,12 @@ async def resolve_model(client, base_url: str, model: str | None) -> str:
     return data[0]["id"]
 
 
-async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[RequestResult]]:
+async def benchmark(args, requests: list[BenchRequest],
+                    progress: bool | None = None) -> tuple[dict, list[RequestResult]]:
+    """``progress``: a bar of finished requests with their output tok/s (None: on a terminal)."""
     import httpx
+
+    from realexec.progress import bar
 
     base = args.url.rstrip("/")
     chat = args.endpoint.endswith("/chat/completions")
@@ -235,19 +239,27 @@ async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[Requ
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         in_flight = 0
         max_in_flight = 0
+        pbar = bar(len(requests), "bench serve", "req", progress)
+        output_tokens = failed = 0
 
         async def one(req: BenchRequest) -> RequestResult:
-            nonlocal in_flight, max_in_flight
+            nonlocal in_flight, max_in_flight, output_tokens, failed
             if sem is not None:
                 await sem.acquire()
             in_flight += 1
             max_in_flight = max(max_in_flight, in_flight)
             try:
-                return await send_request(client, url, _payload(req, args, model, chat), chat, req.prompt_len)
+                result = await send_request(client, url, _payload(req, args, model, chat), chat, req.prompt_len)
             finally:
                 in_flight -= 1
                 if sem is not None:
                     sem.release()
+            output_tokens += result.output_len
+            failed += not result.success
+            pbar.set_postfix_str(f"{output_tokens / (time.perf_counter() - start):.1f} out tok/s, "
+                                 f"{in_flight} in flight" + (f", {failed} failed" if failed else ""), refresh=False)
+            pbar.update(1)
+            return result
 
         start = time.perf_counter()
         tasks = []
@@ -256,7 +268,10 @@ async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[Requ
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(req)))
-        results = await asyncio.gather(*tasks)
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            pbar.close()
         duration = time.perf_counter() - start
     if args.tokenizer:
         _recount_with_tokenizer(args.tokenizer, results)

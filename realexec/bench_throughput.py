@@ -79,25 +79,38 @@ def fit_requests(args, trace, engine) -> list[tuple[list[int], int]]:
     return out
 
 
-def run_ours(engine, requests) -> dict:
+def run_ours(engine, requests, progress: bool | None = None) -> dict:
+    """``progress``: a bar of output tokens with the running tok/s (None: on a terminal)."""
+    from realexec.progress import TokenProgress, bar
+
     for ids, max_tokens in requests:
         engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     tokens = 0
+    counter = TokenProgress(bar(sum(m for _, m in requests), "twinserve", "tok", progress))
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens += sum(len(c.token_ids) for c in out.outputs)
-    elapsed = time.perf_counter() - t0
+    try:
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            for out in outputs:
+                if out.finished:
+                    tokens += sum(len(c.token_ids) for c in out.outputs)
+            counter.update(outputs)
+        elapsed = time.perf_counter() - t0
+    finally:
+        counter.close()
     return {"output_tokens": tokens, "seconds": elapsed, **engine.timing_stats()}
 
 
 @torch.inference_mode()
-def run_hf(path: Path, requests, batch_size: int, dtype: torch.dtype, device: torch.device, pad_id: int) -> dict:
+def run_hf(path: Path, requests, batch_size: int, dtype: torch.dtype, device: torch.device, pad_id: int,
+           progress: bool | None = None) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from realexec.progress import bar
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokens = 0
+    pbar = bar(sum(m for _, m in requests), f"HF generate (batch {batch_size})", "tok", progress)
     t0 = time.perf_counter()
     for b in range(0, len(requests), batch_size):
         batch = requests[b:b + batch_size]
@@ -110,7 +123,9 @@ def run_hf(path: Path, requests, batch_size: int, dtype: torch.dtype, device: to
         out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
         generated = out.shape[1] - width
         tokens += sum(min(m, generated) for _, m in batch)
+        pbar.update(sum(min(m, generated) for _, m in batch))
     elapsed = time.perf_counter() - t0
+    pbar.close()
     return {"output_tokens": tokens, "seconds": elapsed}
 
 
@@ -119,7 +134,9 @@ def run(args) -> int:
 
     engine_args = engine_args_from_namespace(args)
     trace = load_trace_requests(args)           # bad input fails before the model loads
-    engine = LLMEngine(engine_args)
+    from realexec.progress import busy
+    with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):
+        engine = LLMEngine(engine_args)
     requests = fit_requests(args, trace, engine)
     device = engine.executor.driver.device
     dtype = engine.executor.driver.kv_dtype

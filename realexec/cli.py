@@ -42,6 +42,8 @@ COMMANDS: dict[str, Command | dict] = {
                               "realexec.bench_throughput:add_arguments", "realexec.bench_throughput:run"),
         "serve": Command("serving benchmark: stream a trace's requests at a rate to an OpenAI-compatible server",
                          "realexec.bench_serve:add_arguments", "realexec.bench_serve:run"),
+        "chaos": Command("good traffic under malformed, oversized, disconnecting and timing-out traffic",
+                         "realexec.bench_chaos:add_arguments", "realexec.bench_chaos:run"),
         "executors": Command("uni / mp / ray executors: step-message bytes, RPC overhead, tok/s; SmolLM2 TP=1 vs 3",
                              "realexec.bench_executors:add_arguments", "realexec.bench_executors:run"),
         "kernels": Command("CUDA: Triton decode-attention bandwidth, and decode step graph vs eager",
@@ -110,6 +112,12 @@ def sampling_params_from_args(args):
                           stop=list(args.stop), ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
+def finish_line(c) -> str:
+    """'[finish_reason: stop, 8 tokens]'; a 'length' finish says the answer was cut off."""
+    cut = " (cut off: raise --max-tokens for more)" if c.finish_reason == "length" else ""
+    return f"[finish_reason: {c.finish_reason}, {len(c.token_ids)} tokens{cut}]"
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     from realexec.config import add_engine_args
     parser.add_argument("--prompt", required=True, help="the prompt text (or the user message with --chat)")
@@ -128,12 +136,14 @@ def run_generate(args) -> int:
     engine_args = engine_args_from_namespace(args)
     engine_args.validate()
     from realexec.llm import LLM
+    from realexec.progress import busy
 
-    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):   # bars only on a terminal
+        llm = LLM(**{k: v for k, v in vars(engine_args).items()})
     if args.chat:
-        (out,) = llm.chat([{"role": "user", "content": args.prompt}], params)
+        (out,) = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=None)
     else:
-        (out,) = llm.generate(args.prompt, params)
+        (out,) = llm.generate(args.prompt, params, use_tqdm=None)
     many = len(out.outputs) > 1
     for c in out.outputs:
         if many:
@@ -141,6 +151,8 @@ def run_generate(args) -> int:
             score = f" cumulative_logprob={c.cumulative_logprob:.4f}" if c.cumulative_logprob is not None else ""
             print(f"--- {label} {c.index} (finish: {c.finish_reason}{score}) ---")
         print(c.text)
+        if not many:
+            print(finish_line(c))
         if c.logprobs is not None and llm.tokenizer is not None:
             tok = llm.tokenizer
             for t, lp in zip(c.token_ids, c.logprobs):

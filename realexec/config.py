@@ -9,6 +9,22 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from core import block_hasher, register_block_hasher
+from core.block_hash import make_digest_hasher
+
+try:                                 # the core imports only the stdlib: faster hashes come from here
+    import xxhash
+except ImportError:                  # pragma: no cover - xxhash is in the real extra
+    xxhash = None
+else:
+    register_block_hasher("xxhash", make_digest_hasher(xxhash.xxh3_128_digest))
+
+from policies import REGISTRY
+
+
+def _names(kind: str) -> str:
+    return " | ".join(REGISTRY[kind])
+
 
 def _arg(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
@@ -35,10 +51,14 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(False, "reuse KV blocks of identical prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
     watermark: float = _arg(0.01, "fraction of KV blocks new admissions must leave free")
-    queue_policy: str = _arg("fcfs", "waiting-queue order: fcfs | priority | sjf")
-    preemption_mode: str = _arg("recompute", "recompute | swap | auto")
-    victim_policy: str = _arg("newest", "preemption victim: newest | lowest-priority | least-computed")
-    eviction_policy: str = _arg("lru", "cached-block eviction: lru | lfu | fifo")
+    queue_policy: str = _arg("fcfs", f"waiting-queue order: {_names('queue')}")
+    preemption_mode: str = _arg("recompute", f"preemption mode: {_names('preemption')}")
+    victim_policy: str = _arg("newest", f"preemption victim: {_names('victim')}")
+    eviction_policy: str = _arg("lru", f"cached-block eviction: {_names('eviction')}")
+    prefix_caching_hash_algo: str = _arg(
+        "sha256", "prefix-cache block key: sha256 (collision-resistant: one tenant's prompt cannot be made to "
+                  "hit another's cached KV) | xxhash (XXH3-128: faster, not cryptographic) | builtin "
+                  "(Python's 64-bit hash: fastest, collisions are easy to forge; trusted prompts only)")
     seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
@@ -80,6 +100,9 @@ class EngineArgs:
             raise ValueError(f"worker-timeout must be > 0 seconds, got {self.worker_timeout}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention-backend must be torch or triton, got {self.attention_backend!r}")
+        from policies import PolicySet
+        PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
+        block_hasher(self.prefix_caching_hash_algo)
 
     def executor_backend(self) -> str:
         backend = self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")

@@ -113,7 +113,7 @@ class LLMEngine:
             else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
         cache_config = CacheConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                                   watermark=args.watermark)
+                                   watermark=args.watermark, prefix_caching_hash_algo=args.prefix_caching_hash_algo)
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                            max_model_len=self.max_model_len,
                                            enable_chunked_prefill=args.enable_chunked_prefill)
@@ -148,14 +148,14 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer: pass prompts as token ids")
+            raise InvalidRequestError("this model has no tokenizer: pass prompts as token ids", "prompt")
         return list(self.tokenizer(prompt).input_ids)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the tokenizer's chat template, ready for
         the assistant's turn."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template")
+            raise InvalidRequestError("this model has no chat template", "messages")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -165,36 +165,43 @@ class LLMEngine:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}",
+                                      "sampling_params")
         params.validate()
         if isinstance(prompt, str):
             text = prompt
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", "prompt")
             token_ids = self.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
             vocab = self.model_config.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}",
+                                          "prompt")
         if not token_ids:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
-                f"(the prompt plus at least one output token must fit)")
+                f"(the prompt plus at least one output token must fit)", "prompt")
         if self.extra_eos_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=list(params.stop_token_ids) + self.extra_eos_ids)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._states:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         request = Request(request_id, token_ids, params, arrival_time=time.monotonic(), priority=priority,
-                          eos_token_id=self.eos_token_id, prompt=text)
+                          eos_token_id=self.eos_token_id, cache_salt=params.cache_salt, prompt=text)
         self.core.add_request(request)
         if request.status is RequestStatus.FINISHED_REJECTED:
-            raise InvalidRequestError(f"request {request_id!r} rejected: {request.reject_reason}")
+            # The prompt itself was checked above: what can still not fit is n (or the beams).
+            param = "n" if params.num_seqs_max > 1 else "prompt"
+            raise InvalidRequestError(f"request rejected: {request.reject_reason}", param)
         self._states[request_id] = _RequestState(request)
         return request_id
 

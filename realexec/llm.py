@@ -32,21 +32,24 @@ class LLM:
         self.engine.shutdown()
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = False) -> list[RequestOutput]:
         """Final RequestOutputs in input order. A single str or a flat list of token ids is
-        one prompt. For beam search a request's outputs are its beams, best first."""
+        one prompt. For beam search a request's outputs are its beams, best first.
+        ``use_tqdm``: a bar of output tokens on stderr (None: only on a terminal)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params)
+        return self._run(list(prompts), sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool | None = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them; each is
         rendered with the tokenizer's chat template, ready for the assistant's reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run([self.engine.encode_chat(c) for c in conversations], sampling_params)
+        return self._run([self.engine.encode_chat(c) for c in conversations], sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], sampling_params) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], sampling_params, use_tqdm: bool | None = False) -> list[RequestOutput]:
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise InvalidRequestError(
@@ -67,8 +70,21 @@ class LLM:
             raise
         finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        while len(finals) < len(ids):
-            for out in engine.step():
-                if out.finished and out.request_id in wanted:
-                    finals[out.request_id] = out
+        progress = None
+        if use_tqdm is not False:
+            from realexec.progress import TokenProgress, bar
+            caps = [p.max_tokens for p in params]           # None: up to max_model_len, total unknown
+            total = None if None in caps else sum(caps)
+            progress = TokenProgress(bar(total, "generating", "tok", use_tqdm))
+        try:
+            while len(finals) < len(ids):
+                outputs = engine.step()
+                for out in outputs:
+                    if out.finished and out.request_id in wanted:
+                        finals[out.request_id] = out
+                if progress is not None:
+                    progress.update(outputs)
+        finally:
+            if progress is not None:
+                progress.close()
         return [finals[rid] for rid in ids]

@@ -11,8 +11,11 @@ request's SamplingParams:
     first sample and advanced by exactly num_samples * vocab values per sampling step,
     so its tokens do not depend on what else is in the batch. Unseeded rows share the
     sampler's generator (seeded by EngineArgs.seed).
-Logprobs (when a request asks, and always for beam search) are the log-softmax of the raw
-logits, before temperature and top-k/top-p. The all-greedy batch is one argmax.
+Before any of that, a row whose sequence has fewer than `min_tokens` outputs gets its
+stop tokens (EOS unless ignore_eos, and stop_token_ids) masked to -inf, so it cannot
+emit them (the scheduler's stop check alone would let EOS through and keep going).
+Logprobs (when a request asks, and always for beam search) are the log-softmax of the
+logits after that mask, before temperature and top-k/top-p. The all-greedy batch is one argmax.
 """
 from __future__ import annotations
 
@@ -40,6 +43,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
+def mask_stop_tokens_below_min(logits: torch.Tensor, rows: list) -> torch.Tensor:
+    """`logits` with each row's stop-token ids at -inf while its sequence has fewer than
+    min_tokens outputs (a copy when anything is masked; the input is left alone)."""
+    masked = None
+    for i, s in enumerate(rows):
+        params = s.seq.request.params
+        if not params.min_tokens or s.seq.num_output_tokens >= params.min_tokens:
+            continue
+        ids = list(params.stop_token_ids)
+        eos = s.seq.request.eos_token_id
+        if eos is not None and not params.ignore_eos:
+            ids.append(eos)
+        if ids:
+            if masked is None:
+                masked = logits.clone()
+            masked[i, ids] = float("-inf")
+    return logits if masked is None else masked
+
+
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0):
         self.device = torch.device(device)
@@ -61,6 +83,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list) -> ModelRunnerOutput:
         """logits [len(rows), V] fp32; rows: the sequences that sample (`.seq`, `.num_samples`)."""
+        logits = mask_stop_tokens_below_min(logits, rows)
         greedy, random, beam, want_logprobs = [], [], [], []
         for i, s in enumerate(rows):
             params = s.seq.request.params

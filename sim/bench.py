@@ -4,8 +4,8 @@
 
 Workloads:
   (a) traces/sharegpt.json replayed to 10,000 requests (retime num_requests=10000);
-  (b) the Azure LLM inference trace 2023, conversation (19,366 requests, Vidur CSV) at
-      ../shared/traces/azure_conv_2023.vidur.csv, at its own arrival times.
+  (b) the Azure LLM inference trace 2023, conversation (19,366 requests, Vidur CSV,
+      traces/azure_conv_2023.vidur.csv), at its own arrival times.
 `--quick` uses 2,000 requests of each. Wall time covers `simulate()` (request creation,
 the core's schedule/update/fast_forward, the executor, the SimPy loop); trace loading
 and result files are timed separately ("summary s": build_summary on the records).
@@ -25,21 +25,17 @@ from pathlib import Path
 
 from sim.engine import SimConfig, resolve, simulate
 from sim.results import build_summary
-from traces import load_trace, retime
+from traces import TraceError, load_trace, retime
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_TRACES = REPO.parent / "shared" / "traces"
-AZURE_CONV = SHARED_TRACES / "azure_conv_2023.vidur.csv"
+AZURE_CONV = REPO / "traces" / "azure_conv_2023.vidur.csv"
 
 
 def workloads(quick: bool):
     n_a = 2000 if quick else 10_000
     yield f"(a) sharegpt x{n_a}", lambda: retime(load_trace(REPO / "traces" / "sharegpt.json"), num_requests=n_a)
-    if AZURE_CONV.exists():
-        limit = 2000 if quick else None
-        yield (f"(b) azure conv{' x2000' if quick else ''}", lambda: load_trace(AZURE_CONV, limit=limit))
-    else:
-        print(f"note: {AZURE_CONV} not found; skipping (b)", file=sys.stderr)
+    limit = 2000 if quick else None
+    yield (f"(b) azure conv{' x2000' if quick else ''}", lambda: load_trace(AZURE_CONV, limit=limit))
 
 
 def run_one(config: SimConfig, trace) -> tuple[object, float]:
@@ -75,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for name, make in workloads(args.quick):
         t0 = time.perf_counter()
-        trace = make()
+        try:
+            trace = make()
+        except TraceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         load_s = time.perf_counter() - t0
         reference = None
         for mode in modes:

@@ -16,7 +16,6 @@ settings.register_profile("dev", max_examples=150, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
-SHARED_TRACES = ROOT.parent / "shared" / "traces"
 os.environ.setdefault("TWINSERVE_SIM_CHECK", "1")   # sim self-checks event skipping in tests
 
 

@@ -7,6 +7,7 @@ from hypothesis import given, strategies as st
 
 from core import CacheConfig, EngineCore, Request, SamplingParams, Scheduler, SchedulerConfig
 from core.contiguous import ContiguousBlockPool
+from core.event_skipping import memory_breakdown
 from policies import PolicySet
 from tests.toy_executor import ToyExecutor
 
@@ -46,7 +47,7 @@ def _token_state_share(allocation: str, seed: int = 0) -> tuple[float, int]:
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-        for k, v in sched.memory_breakdown().items():
+        for k, v in memory_breakdown(sched).items():
             totals[k] = totals.get(k, 0) + v
     used = sum(v for k, v in totals.items() if k != "free")
     assert sched.kv.gpu.num_used == 0

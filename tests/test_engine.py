@@ -6,6 +6,7 @@ used where a real tokenizer and real text matter (stop strings, chat, the CLI).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -170,6 +171,20 @@ def test_prefix_cache_hits_same_tokens(tiny, reference):
     assert stats.prefix_cache_hits >= (len(PROMPTS[3]) - 1) // 4 * 4 > 0
     assert second.metrics.num_cached_prompt_tokens > 0
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == reference[3]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash", "builtin"])
+def test_cache_salt_isolates_prefix_cache(tiny, reference, algo):
+    llm = tiny_llm(tiny, enable_prefix_caching=True, prefix_caching_hash_algo=algo)
+    salted = lambda salt: SamplingParams(max_tokens=32, cache_salt=salt, **GREEDY)  # noqa: E731
+    hits = lambda: llm.engine.scheduler.kv.stats().prefix_cache_hits              # noqa: E731
+    first = llm.generate(PROMPTS[3], salted("tenant-a"))[0]
+    other = llm.generate(PROMPTS[3], salted("tenant-b"))[0]
+    unsalted = llm.generate(PROMPTS[3], salted(None))[0]
+    assert hits() == 0 and other.metrics.num_cached_prompt_tokens == unsalted.metrics.num_cached_prompt_tokens == 0
+    again = llm.generate(PROMPTS[3], salted("tenant-a"))[0]
+    assert again.metrics.num_cached_prompt_tokens == (len(PROMPTS[3]) - 1) // 4 * 4 == hits()
+    assert all(o.outputs[0].token_ids == reference[3] for o in (first, other, unsalted, again))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -369,11 +384,61 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_cli_generate_chat_france():
-    r = run_cli("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "16",
+@pytest.mark.parametrize("max_tokens, finish", [(16, "[finish_reason: stop, 8 tokens]"),
+                                                 (4, "[finish_reason: length, 4 tokens (cut off")])
+def test_cli_generate_chat_france(max_tokens, finish):
+    """The answer, then its finish reason: a cut-off answer says so."""
+    r = run_cli("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", str(max_tokens),
                 "--temperature", "0", "--kv-cache-memory", "0.1", "--swap-space", "0")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    text, last = r.stdout.rstrip("\n").rsplit("\n", 1)
+    assert last.startswith(finish), r.stdout
+    assert ("Paris" in text) == (finish.startswith("[finish_reason: stop"))
+    assert "generating" not in r.stderr          # no progress bars when stderr is not a terminal
+
+
+# ----------------------------------------------------------------------------- progress bars
+
+def bar_counts(err: str, desc: str) -> list[tuple[int, int]]:
+    """(done, total) of every redraw of the tqdm bar `desc` in captured stderr."""
+    return [(int(a), int(b)) for a, b in re.findall(rf"{re.escape(desc)}:[^\r\n]*?(\d+)/(\d+) \[", err)]
+
+
+def test_generate_progress_counts_output_tokens(plain, capsys):
+    caps = (7, 12, 20, 3)
+    outs = plain.generate(PROMPTS, [SamplingParams(max_tokens=m, **GREEDY) for m in caps], use_tqdm=True)
+    counts = bar_counts(capsys.readouterr().err, "generating")
+    assert counts[-1] == (42, 42) and {total for _, total in counts} == {42}
+    assert [done for done, _ in counts] == sorted(done for done, _ in counts)      # never goes back
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(caps)
+    # n = 2: a request advances by its longest sample, not by the sum of its samples
+    plain.generate(PROMPTS[0], SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True),
+                   use_tqdm=True)
+    assert bar_counts(capsys.readouterr().err, "generating")[-1] == (5, 5)
+    plain.generate(PROMPTS[0], SamplingParams(max_tokens=5, **GREEDY))              # default: no bar
+    assert "generating" not in capsys.readouterr().err
+
+
+def test_bench_throughput_progress_counts_tokens(tiny, capsys):
+    from realexec.bench_throughput import run_ours
+
+    requests = list(zip(PROMPTS, (4, 9, 6, 1)))
+    stats = run_ours(tiny_llm(tiny).engine, requests, progress=True)
+    err = capsys.readouterr().err
+    assert stats["output_tokens"] == 20 and bar_counts(err, "twinserve")[-1] == (20, 20)
+    assert re.search(r"20/20 \[[^\]]*tok/s\]", err)                                 # the running rate
+
+
+def test_busy_ticker_leaves_done_or_clears_on_error(capsys):
+    from realexec.progress import busy
+
+    with busy("loading thing", enabled=True):
+        pass
+    assert re.search(r"loading thing: \d\d:\d\d, done\n", capsys.readouterr().err)
+    with pytest.raises(RuntimeError), busy("loading other", enabled=True):
+        raise RuntimeError("bad model")
+    err = capsys.readouterr().err
+    assert "loading other" in err and not re.search(r"loading other: [^\r]*\n", err)    # the line is wiped
 
 
 @pytest.mark.parametrize("args, message", [
@@ -408,3 +473,80 @@ def test_decode_through_graph_runner_padding_path_matches_plain(tiny):
     padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert padded == plain
     assert calls and max(calls) == 4              # decode batches went through the padded path
+
+
+# ----------------------------------------------------------------------------- min_tokens
+
+def _rows(specs):
+    """ScheduledSeq rows for the sampler: (prompt_len, num_outputs, SamplingParams, eos) each."""
+    from core import Request, ScheduledSeq
+
+    rows = []
+    for i, (prompt_len, outputs, params, eos) in enumerate(specs):
+        req = Request(f"m{i}", list(range(3, 3 + prompt_len)), params, eos_token_id=eos)
+        seq = req.seqs[0]
+        seq.token_ids.extend([5] * outputs)
+        rows.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, 1, []))
+    return rows
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_sampler_masks_eos_and_stop_ids_until_min_tokens(temperature):
+    from realexec.sampler import Sampler
+
+    eos, stop_id, vocab = 2, 7, 16
+    logits = torch.full((3, vocab), -5.0)
+    logits[:, eos] = 10.0                       # EOS is by far the best token ...
+    logits[:, stop_id] = 9.0                    # ... then the stop token ...
+    logits[:, 4] = 8.0                          # ... then an ordinary one
+    p = SamplingParams(temperature=temperature, max_tokens=30, min_tokens=3, stop_token_ids=[stop_id],
+                       logprobs=2)
+    rows = _rows([(4, 0, p, eos), (4, 2, p, eos), (4, 3, p, eos)])   # 0, 2, 3 outputs so far
+    for _ in range(5):
+        out = Sampler(seed=1)(logits.clone(), rows)
+        got = [out.token_ids[r.seq_id][0] for r in rows]
+        assert got[0] == got[1] == 4            # below min_tokens: EOS and stop ids are masked
+        if temperature == 0.0:
+            assert got[2] == eos                # min_tokens reached: EOS allowed again
+    # with ignore_eos, EOS is no stop token, so min_tokens leaves it alone (only stop ids are masked)
+    q = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=3, stop_token_ids=[stop_id], ignore_eos=True)
+    out = Sampler()(logits.clone(), _rows([(4, 0, q, eos)]))
+    assert list(out.token_ids.values()) == [[eos]]
+
+
+def test_smollm2_min_tokens_never_emits_eos_early(smol):
+    eos = smol.tokenizer.eos_token_id
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    base = smol.chat(conv, SamplingParams(temperature=0.0, max_tokens=30))[0].outputs[0]
+    assert base.finish_reason == "stop" and len(base.token_ids) < 28    # the model wants to stop early
+    out = smol.chat(conv, SamplingParams(temperature=0.0, max_tokens=30, min_tokens=28))[0].outputs[0]
+    assert eos not in out.token_ids[:28], out.token_ids
+    assert out.token_ids[:len(base.token_ids) - 1] == base.token_ids[:-1]  # same text up to where EOS was
+    assert len(out.token_ids) >= 28
+
+
+def test_beam_search_refuses_stop_strings(plain):
+    # Beams are detokenized only at the end, so stop strings would be silently ignored: refuse.
+    with pytest.raises(InvalidRequestError, match="not supported with beam search") as err:
+        plain.generate(PROMPTS[0], SamplingParams(beam_width=2, max_tokens=4, stop=["x"]))
+    assert err.value.param == "stop"
+    assert not plain.engine.has_unfinished_requests()
+    (out,) = plain.generate(PROMPTS[0], SamplingParams(beam_width=2, max_tokens=4, stop_token_ids=[7]))
+    assert len(out.outputs) == 2                 # stop token ids are fine: the core checks them per beam
+
+
+def test_invalid_request_names_the_parameter(plain):
+    for kwargs, param in [(dict(n=0), "n"), (dict(temperature=float("inf")), "temperature"),
+                          (dict(seed=2**64), "seed"), (dict(cache_salt=""), "cache_salt")]:
+        with pytest.raises(InvalidRequestError) as err:
+            SamplingParams(**kwargs)
+        assert err.value.param == param
+    with pytest.raises(InvalidRequestError) as err:
+        plain.generate([10**6], SamplingParams())
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as err:
+        plain.generate([5], SamplingParams(stop_token_ids=[256]))
+    assert err.value.param == "stop_token_ids"
+    with pytest.raises(InvalidRequestError) as err:           # n=600 sequences > max_num_seqs 256
+        plain.generate(PROMPTS[0], SamplingParams(n=600))
+    assert err.value.param == "n" and "req-" not in str(err.value)

@@ -226,7 +226,7 @@ def test_multi_turn_prompts_carry_previous_turns_and_arrive_after_them(sharegpt)
 def test_every_registry_policy_runs_end_to_end(kind, name, tmp_path):
     args = ["run", str(SHAREGPT), "--num-requests", "40", "--rate", "8", "--quiet", "--out", str(tmp_path),
             "--model", "OPT-13B", "--num-gpu-blocks", "300", f"--{kind}", name]
-    if kind in ("eviction", "queue"):
+    if kind in ("eviction", "queue", "router"):
         args += ["--enable-prefix-caching", "--shared-prefix-len", "80"]
     if kind == "preemption":
         args += ["--n", "2"]
@@ -291,13 +291,17 @@ def test_compare_rejects_unknown_and_impossible_policies(tmp_path, capsys):
 # --- the notebook ----------------------------------------------------------------------------
 
 def test_notebook_executes_at_small_scale_and_writes_figures(tmp_path, monkeypatch):
+    """Figures go next to the results (results/notebook/<scale>/figures by default), never
+    over the committed plots/figures/ unless TWINSERVE_NB_OUT asks."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     from plots.experiments import FIGURES
-    figs, results = tmp_path / "figures", tmp_path / "results"
+    results = tmp_path / "results"
+    figs = results / "figures"
+    committed = {p.name: p.stat().st_mtime_ns for p in (ROOT / "plots" / "figures").glob("*.png")}
     monkeypatch.setenv("TWINSERVE_NB_SCALE", "small")
-    monkeypatch.setenv("TWINSERVE_NB_OUT", str(figs))
+    monkeypatch.delenv("TWINSERVE_NB_OUT", raising=False)
     monkeypatch.setenv("TWINSERVE_NB_RESULTS", str(results))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(ROOT / "plots" / "policy_comparison.ipynb", as_version=4)
@@ -309,3 +313,4 @@ def test_notebook_executes_at_small_scale_and_writes_figures(tmp_path, monkeypat
     images = sum(1 for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
                  if "image/png" in o.get("data", {}))
     assert images == sum(map(len, FIGURES.values()))
+    assert committed == {p.name: p.stat().st_mtime_ns for p in (ROOT / "plots" / "figures").glob("*.png")}

@@ -1,8 +1,13 @@
 """The block manager against a shadow model of what every KV slot holds.
 
-The state machine plays the executor: after each allocation it "writes" the tokens a
-step would compute into a shadow copy of the cache (applying copy-on-write and swap
-copies first), and asserts the paged-memory invariants after every rule.
+The state machine plays the executor: after each allocation it "writes" what a step
+would compute into a shadow copy of the cache (applying copy-on-write and swap copies
+first), and asserts the paged-memory invariants after every rule.
+
+A real KV entry depends on its token *and everything before it*, and a cache salt
+isolates tenants, so a slot's shadow value is (salt, the whole prefix up to and
+including that slot). A prefix-cache hit whose hash ignored the parent block or the
+salt then reads back a value that differs from what the sequence would compute.
 """
 from __future__ import annotations
 
@@ -16,23 +21,31 @@ from policies.eviction import FIFOEvictor, LFUEvictor, LRUEvictor
 
 BS = 4
 EVICTORS = {"lru": LRUEvictor, "lfu": LFUEvictor, "fifo": FIFOEvictor}
-# A few shared prefixes so that prompts really hit the prefix cache.
-PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], [5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 6], []]
+# A few shared prefixes so that prompts really hit the prefix cache. The block [9, 9, 9, 9]
+# follows different contexts (or none), so a hash without its parent would collide.
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], [5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 6], [],
+            [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 9, 9, 9, 9, 1, 2, 3, 4]]
+SALTS = [None, None, "tenant-a", "tenant-b"]
+
+
+def slot_value(seq, pos):
+    """What slot `pos` of `seq` holds once computed: it depends on the whole prefix."""
+    return (seq.request.cache_salt, tuple(seq.token_ids[:pos + 1]))
 
 
 class KVManagerMachine(RuleBasedStateMachine):
     @initialize(
         num_gpu=st.integers(4, 24), num_cpu=st.integers(0, 16), caching=st.booleans(),
-        evictor=st.sampled_from(sorted(EVICTORS)),
+        evictor=st.sampled_from(sorted(EVICTORS)), watermark=st.sampled_from([0.0, 0.0, 0.2]),
     )
-    def setup(self, num_gpu, num_cpu, caching, evictor):
+    def setup(self, num_gpu, num_cpu, caching, evictor, watermark):
         self.kv = KVCacheManager(BS, num_gpu, num_cpu, enable_prefix_caching=caching,
-                                 evictor=EVICTORS[evictor]() if caching else None, watermark=0.0)
+                                 evictor=EVICTORS[evictor]() if caching else None, watermark=watermark)
         self.shadow_gpu: dict[int, list[int | None]] = {}
         self.shadow_cpu: dict[int, list[int | None]] = {}
         self.groups: list[Request] = []          # resident on GPU
         self.swapped: list[Request] = []
-        self.expected_hash_tokens: dict[int, tuple[int, ...]] = {}
+        self.expected_hash_contents: dict[int, tuple] = {}    # prefix hash -> the block's slot values
         self.n = 0
 
     # -- helpers: the "executor" ---------------------------------------------------------
@@ -48,10 +61,10 @@ class KVManagerMachine(RuleBasedStateMachine):
             block = table[pos // BS]
             # Never write a block another table (or the cache index) still relies on.
             assert self.kv.gpu.ref_cnt[block] == 1, f"write into shared block {block}"
-            self.shadow_gpu.setdefault(block, [None] * BS)[pos % BS] = seq.token_ids[pos]
+            self.shadow_gpu.setdefault(block, [None] * BS)[pos % BS] = slot_value(seq, pos)
         seq.num_computed_tokens += n
         for i, h in enumerate(seq.block_hashes[: seq.num_computed_tokens // BS]):
-            self.expected_hash_tokens[h] = tuple(seq.token_ids[i * BS:(i + 1) * BS])
+            self.expected_hash_contents[h] = tuple(slot_value(seq, p) for p in range(i * BS, (i + 1) * BS))
 
     def _grow(self, seq, n):
         if self.kv.allocate_slots(seq, n):
@@ -61,11 +74,11 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), tail=st.lists(st.integers(0, 20), max_size=9),
-          chunk=st.integers(1, 24))
-    def add_prompt(self, prefix, tail, chunk):
+          chunk=st.integers(1, 24), salt=st.sampled_from(SALTS))
+    def add_prompt(self, prefix, tail, chunk, salt):
         tokens = PREFIXES[prefix] + tail
         assume(tokens)
-        req = Request(f"r{self.n}", tokens, SamplingParams(max_tokens=64))
+        req = Request(f"r{self.n}", tokens, SamplingParams(max_tokens=64), cache_salt=salt)
         self.n += 1
         seq = req.seqs[0]
         cached = self.kv.find_cached_prefix(seq)
@@ -132,6 +145,8 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         for c, g in self.kv.swap_in(req.seqs):
             self.shadow_gpu[g] = list(self.shadow_cpu[c])
+        # Swapping in is new work: it must leave the watermark free.
+        assert self.kv.stats().num_free_gpu_blocks >= self.kv.watermark_blocks
         self.swapped.remove(req)
         self.groups.append(req)
 
@@ -187,7 +202,8 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def contents_match_tokens(self):
-        """Every resident or swapped sequence reads back exactly its own tokens."""
+        """Every resident or swapped sequence reads back exactly what it would compute itself
+        (its own prefix under its own salt), wherever its blocks came from."""
         if not hasattr(self, "kv"):
             return
         for reqs, tables, shadow in ((self.groups, self.kv.tables, self.shadow_gpu),
@@ -196,7 +212,8 @@ class KVManagerMachine(RuleBasedStateMachine):
                 for seq in req.seqs:
                     table = tables.get(seq.seq_id, [])
                     got = [shadow[table[p // BS]][p % BS] for p in range(seq.num_computed_tokens)]
-                    assert got == seq.token_ids[:seq.num_computed_tokens], f"{seq} reads wrong KV"
+                    want = [slot_value(seq, p) for p in range(seq.num_computed_tokens)]
+                    assert got == want, f"{seq} reads KV computed for another context or salt"
 
     @invariant()
     def cache_index_matches_contents(self):
@@ -205,7 +222,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         pool = self.kv.gpu
         for h, b in pool.cached.items():
             assert pool.block_hash[b] == h
-            assert tuple(self.shadow_gpu[b]) == self.expected_hash_tokens[h], "hash maps to wrong contents"
+            assert tuple(self.shadow_gpu[b]) == self.expected_hash_contents[h], "hash maps to wrong contents"
 
 
 TestKVManagerMachine = KVManagerMachine.TestCase
@@ -294,3 +311,17 @@ def test_lru_lfu_fifo_orders():
     assert lfu.pop() == 3          # never hit
     assert lfu.pop() == 1          # one hit, before two hits
     assert fifo.pop() == 1         # first to enter the cache
+
+
+def test_prefix_hits_need_the_same_context_and_salt():
+    kv = KVCacheManager(BS, 16, 0, enable_prefix_caching=True, evictor=LRUEvictor(), watermark=0.0)
+    first = Request("a", [1, 2, 3, 4, 9, 9, 9, 9, 0], SamplingParams(), cache_salt="s").seqs[0]
+    assert kv.allocate_slots(first, 9)
+    # The same block after a different first block, and the same prompt under another salt,
+    # find nothing; the same prompt under the same salt finds both blocks.
+    other_context = Request("b", [9, 9, 9, 9, 0], SamplingParams(), cache_salt="s").seqs[0]
+    other_salt = Request("c", [1, 2, 3, 4, 9, 9, 9, 9, 0], SamplingParams(), cache_salt="t").seqs[0]
+    same = Request("d", [1, 2, 3, 4, 9, 9, 9, 9, 0], SamplingParams(), cache_salt="s").seqs[0]
+    assert kv.find_cached_prefix(other_context) == []
+    assert kv.find_cached_prefix(other_salt) == []
+    assert kv.find_cached_prefix(same) == kv.tables[first.seq_id][:2]

@@ -332,8 +332,8 @@ def test_bad_requests(http, path):
     _error(post({"model": TINY}), 400, "messages" if chat else "prompt")
     long_text = "hello " * 3000                                  # > max_model_len 2048 tokens
     long = {"messages": [{"role": "user", "content": long_text}]} if chat else {"prompt": long_text}
-    e = _error(post(long), 400)
-    assert "max_model_len" in e["message"]
+    e = _error(post(long), 400, "messages" if chat else "prompt")
+    assert "maximum context length is 2048 tokens" in e["message"] and e["code"] == "context_length_exceeded"
     if not chat:
         _error(post({"prompt": list(range(3000))}), 400, "prompt")
         _error(post({"prompt": [[1, 2], []]}), 400, "prompt")
@@ -341,6 +341,66 @@ def test_bad_requests(http, path):
         _error(post({"prompt": ""}), 400, "prompt")
     assert http.get("/health").json() == {"status": "ok"}
     _error(http.get("/v1/nothing-here"), 404)
+
+
+def test_validation_contract(http, caplog):
+    """The OpenAI/vLLM error contract: the param named is the one at fault, no internal ids
+    leak, bad bytes and content types get their own codes; a missing model means the
+    served one, unknown fields are accepted and logged once."""
+    e = _error(http.post("/v1/completions", json={"prompt": "hi", "n": 600}), 400, "n")
+    assert "cmpl-" not in e["message"] and "req-" not in e["message"]
+    e = _error(http.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                         headers={"content-type": "application/json"}), 400)
+    assert e["code"] == "invalid_encoding" and "UTF-8" in e["message"]
+    e = _error(http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": ""}), 415)
+    assert e["code"] == "unsupported_media_type" and "application/json" in e["message"]
+    e = _error(http.post("/v1/completions", content=b'prompt=hi',
+                         headers={"content-type": "application/x-www-form-urlencoded"}), 415)
+    e = _error(http.post("/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}',
+                         headers={"content-type": "application/json"}), 400)
+    assert e["code"] == "invalid_json"
+    e = _error(http.post("/v1/completions", json=["prompt"]), 400)
+    assert e["code"] == "invalid_json"
+    e = _error(http.post("/v1/completions", json={"prompt": "hi", "stop_token_ids": [10**6]}), 400,
+               "stop_token_ids")
+    _error(http.post("/v1/completions", json={"prompt": "hi", "best_of": 3}), 400, "best_of")
+    e = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 100_000_000}), 400, "max_tokens")
+    assert "maximum context length is 2048 tokens" in e["message"] and "100000000 in the completion" in e["message"]
+    # no model: the served one answers; unknown fields: accepted, ignored, logged once per name
+    with caplog.at_level("WARNING", logger="twinserve.server"):
+        for _ in range(2):
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "frobnicate": 1, **GREEDY})
+            assert r.status_code == 200 and r.json()["model"] == TINY
+    assert sum("frobnicate" in rec.getMessage() for rec in caplog.records) == 1
+
+
+def test_large_body_does_not_delay_other_requests(url, http):
+    """A 3.5 MB prompt is read, parsed and tokenized in a worker thread (then refused as too
+    long): small requests meanwhile are served as if it were not there."""
+    big = json.dumps({"prompt": "lorem ipsum dolor sit amet " * 130_000, "max_tokens": 2}).encode()
+    done = {}
+
+    def send_big():
+        with httpx.Client(base_url=url, timeout=120) as c:
+            done["resp"] = c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+            done["t"] = time.monotonic()
+    t = threading.Thread(target=send_big)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.3)                                    # the big one is being parsed / tokenized now
+    latencies = []
+    for _ in range(3):
+        s0 = time.monotonic()
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **IGNORE_EOS})
+        assert r.status_code == 200
+        latencies.append(time.monotonic() - s0)
+    small_done = time.monotonic()
+    t.join(120)
+    e = _error(done["resp"], 400, "prompt")
+    assert e["code"] == "context_length_exceeded"
+    assert done["t"] > small_done, "the big request finished first: the test proved nothing"
+    assert max(latencies) < 0.5 * (done["t"] - t0), (latencies, done["t"] - t0)
 
 
 def test_bad_requests_through_openai_client(oai):
@@ -351,7 +411,8 @@ def test_bad_requests_through_openai_client(oai):
         oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=TINY, prompt="x " * 5000, stream=True)   # refused before the 200
-    assert oai.completions.create(model=TINY, prompt="still fine", max_tokens=2).usage.completion_tokens >= 1
+    r = oai.completions.create(model=TINY, prompt="still fine", max_tokens=2, extra_body=IGNORE_EOS)
+    assert r.usage.completion_tokens == 2
 
 
 # ----------------------------------------------------------------------------- aborts, metrics
@@ -407,8 +468,11 @@ def test_metrics_parse_and_move(http, oai):
     assert moved("twinserve:e2e_request_latency_seconds_count") == 1
     assert moved("twinserve:inter_token_latency_seconds_count") == 6
     assert moved("twinserve:e2e_request_latency_seconds_sum") > 0
-    assert after["twinserve:prefix_cache_queries_total"] >= 0 and after["twinserve:num_preemptions_total"] >= 0
-    rejected = "twinserve:request_rejected_total{reason=invalid}"
+    # every prompt token is looked up, none is found (prefix caching is off); 1024 blocks never
+    # run out, so nobody was ever preempted
+    assert moved("twinserve:prefix_cache_queries_total") == r.usage.prompt_tokens
+    assert after["twinserve:prefix_cache_hits_total"] == 0 and after["twinserve:num_preemptions_total"] == 0
+    rejected = "twinserve:request_rejected_total{reason=invalid_value}"
     _error(http.post("/v1/completions", json={"prompt": [10**9], "max_tokens": 2}), 400, "prompt")
     assert metrics(http)[rejected] == after[rejected] + 1
 
@@ -416,7 +480,10 @@ def test_metrics_parse_and_move(http, oai):
 def test_queue_limit_answers_503(tiny_dir):
     from realexec.server.app import create_app
 
-    app = create_app(tiny_engine(tiny_dir, max_num_seqs=1), served_model_name="limited", max_waiting_requests=1)
+    from realexec.server.config import ServerConfig
+
+    app = create_app(tiny_engine(tiny_dir, max_num_seqs=1), served_model_name="limited",
+                     config=ServerConfig(max_waiting_requests=1))
     body = {"prompt": "Keep going", "max_tokens": 1900, "stream": True, **IGNORE_EOS}
     with serve(app) as base, httpx.Client(base_url=base, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as running:
@@ -424,8 +491,9 @@ def test_queue_limit_answers_503(tiny_dir):
             next(line for line in lines if line.startswith("data: "))                   # admitted, running
             with client.stream("POST", "/v1/completions", json=body) as waiting:
                 assert waiting.status_code == 200                                       # queued (1 waiting)
-                e = _error(client.post("/v1/completions", json={**body, "stream": False}), 503)
-                assert e["code"] == "queue_full"
+                resp = client.post("/v1/completions", json={**body, "stream": False})
+                e = _error(resp, 503)
+                assert e["code"] == "queue_full" and resp.headers["retry-after"] == "1"
                 e = _error(client.post("/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "hi"}], "stream": True}), 503)
                 m = {s.name + str(s.labels.get("reason", "")): s.value
@@ -471,6 +539,23 @@ def test_bench_serve_against_server(url, tmp_path, capsys):
     assert result["errors"] == [""] * 8
 
 
+def test_bench_serve_progress_bar_counts_requests(url, capsys):
+    import argparse
+    import asyncio
+    import re
+
+    from realexec import bench_serve
+
+    args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--url", url, "--trace", str(ROOT / "traces/sharegpt.json"), "--num-requests", "4", "--rate", "inf",
+         "--max-tokens-cap", "3"])
+    summary, _ = asyncio.run(bench_serve.benchmark(args, bench_serve.build_requests(args), progress=True))
+    err = capsys.readouterr().err
+    counts = [(int(a), int(b)) for a, b in re.findall(r"bench serve:[^\r\n]*?(\d+)/(\d+) \[", err)]
+    assert summary["completed"] == 4 and counts[-1] == (4, 4)
+    assert re.search(r"4/4 \[[^\]]*out tok/s, 0 in flight\]", err)
+
+
 def test_bench_serve_chat_endpoint_and_bad_args(url, tmp_path):
     import argparse
 
@@ -489,6 +574,18 @@ def test_bench_serve_chat_endpoint_and_bad_args(url, tmp_path):
             bench_serve.run(parser.parse_args(["--url", url, *bad]))
 
 
+def test_server_modules_import_one_way():
+    """errors <- metrics <- async_engine <- app: no module imports one above it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import realexec.server.metrics; "
+            "assert 'realexec.server.async_engine' not in sys.modules and 'realexec.server.app' not in sys.modules; "
+            "import realexec.server.errors as e; import realexec.server.async_engine; "
+            "assert 'realexec.server.app' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
 def test_serve_parser():
 
     from realexec.cli import build_parser
@@ -499,6 +596,15 @@ def test_serve_parser():
     assert (args.host, args.port, args.max_num_seqs, args.enable_prefix_caching, args.preemption_mode,
             args.max_waiting_requests, args.served_model_name) == ("127.0.0.1", 0, 8, True, "swap", 4, None)
     assert args._run == "realexec.server.cli:run_serve"
+    from realexec.server.cli import run_serve
+    for bad, message in ((["--queue-policy", "nope"], "unknown queue policy 'nope'"),
+                         (["--victim-policy", "oldest"], "unknown victim policy"),
+                         (["--max-n", "0"], "--max-n must be >= 1")):
+        argv = ["serve", *bad]
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=message):
+            run_serve(build_parser(argv).parse_args(argv))
+        assert time.monotonic() - t0 < 1.0            # refused before the model loads
     from realexec.server.app import default_served_model_name
     assert default_served_model_name(None) == "SmolLM2-135M-Instruct"
     assert default_served_model_name("/models/Llama-3.2-1B/") == "Llama-3.2-1B"
@@ -519,6 +625,14 @@ def test_smollm2_chat_answers_paris():
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
         assert r.choices[0].finish_reason in ("stop", "length")
+        # min_tokens: the model wants to stop after a few tokens; it must not emit EOS (or the
+        # <|im_start|> of a new turn after it) before 28 tokens exist.
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=30, temperature=0,
+                                           logprobs=True, extra_body={"min_tokens": 28},
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        assert len(tokens) >= 28 and r.usage.completion_tokens == len(tokens)
+        assert not {"<|im_end|>", "<|im_start|>"} & set(tokens[:28]), tokens
 
 
 def test_engine_crash_is_reported(tiny_dir):

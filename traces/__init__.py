@@ -3,7 +3,7 @@ re-timing, and the committed ``sharegpt.json`` (see README.md).
 
     from traces import load_trace
     trace = load_trace("traces/sharegpt.json")                      # format detected
-    trace = load_trace("../shared/traces/azure_conv_2023.vidur.csv", rate=8.0, num_requests=500)
+    trace = load_trace("traces/azure_conv_2023.vidur.csv", rate=8.0, num_requests=500)
 
 Pure Python: loading never imports torch, transformers or tokenizers (only
 ``traces.build`` does, to tokenize ShareGPT).

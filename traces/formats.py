@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .csv_formats import load_azure, load_burstgpt, load_vidur
-from .model import Trace, TraceError
+from .model import GZIP_ERRORS, Trace, TraceError, logical_suffix, open_text
 from .mooncake import load_mooncake
 from .retime import retime
 from .sharegpt import load_sharegpt
@@ -39,21 +39,26 @@ def register_format(name: str, loader: Callable[..., Trace]) -> None:
 
 
 def _head(path: str | Path, size: int = 1 << 16) -> str:
+    """The first ``size`` characters of the (decompressed) content."""
     try:
-        with open(path, "rb") as f:
-            return f.read(size).decode("utf-8", errors="replace")
+        with open_text(path) as f:
+            f.reconfigure(errors="replace")
+            return f.read(size)
     except OSError as e:
         raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    except GZIP_ERRORS as e:
+        raise TraceError(f"{path}: damaged gzip data: {e}") from None
 
 
 def detect_format(path: str | Path) -> str:
-    """Guess the format from the content (first 64 KiB), the extension breaking ties:
+    """Guess the format from the content (first 64 KiB, decompressed if gzip), the
+    extension (without '.gz') breaking ties:
     ``{"format": "twinserve-trace"`` -> twinserve, ``[`` -> sharegpt, a JSON object
     per line with ``input_length``/``hash_ids`` (or a .jsonl file) -> mooncake, a CSV
     header -> azure / burstgpt / vidur by its columns (for a .csv file, the format
     sharing the most columns with it, so that its loader names what is missing)."""
     text = _head(path).lstrip("\ufeff \t\r\n")
-    suffix = Path(path).suffix.lower()
+    suffix = logical_suffix(path)
     if not text:
         raise TraceError(f"{path}: empty file")
     first_line = text.split("\n", 1)[0].strip()

@@ -4,7 +4,10 @@ Pure Python: nothing here (or in any loader) imports torch or transformers.
 """
 from __future__ import annotations
 
+import gzip
+import io
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,19 +100,48 @@ def parse_length(value: object, name: str, at: str) -> int:
     return int(x)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def is_gzip(path: str | Path) -> bool:
+    """Whether the file starts with the gzip magic bytes (whatever its name)."""
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+def open_text(path: str | Path, newline: str | None = None) -> io.TextIOBase:
+    """Open a trace for reading as UTF-8 text (a BOM skipped), decompressing it on the
+    fly when it is gzip-compressed: every loader reads ``x.jsonl.gz`` like ``x.jsonl``.
+    An unreadable file raises a TraceError."""
+    try:
+        if is_gzip(path):
+            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline=newline)
+        return open(path, encoding="utf-8-sig", newline=newline)
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def logical_suffix(path: str | Path) -> str:
+    """The extension that says what the content is: '.jsonl' for 'x.jsonl.gz'."""
+    path = Path(path)
+    if path.suffix.lower() == ".gz":
+        path = path.with_suffix("")
+    return path.suffix.lower()
+
+
+# What a damaged gzip stream raises while it is read.
+GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
+
+
 def read_text(path: str | Path) -> str:
     """The whole file as UTF-8 text; I/O and decoding problems become TraceErrors."""
     return "".join(iter_lines(path))
 
 
 def iter_lines(path: str | Path) -> Iterator[str]:
-    """The file's lines (UTF-8, line ends kept), streamed; an unreadable, non-UTF-8
-    or empty file raises a TraceError."""
-    try:
-        f = open(path, encoding="utf-8-sig", newline="")  # -sig: skip a BOM
-    except OSError as e:
-        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    with f:
+    """The file's lines (UTF-8, line ends kept; gzip decompressed), streamed; an
+    unreadable, damaged, non-UTF-8 or empty file raises a TraceError."""
+    with open_text(path, newline="") as f:
         empty, line_no = True, 0
         try:
             for line_no, line in enumerate(f, 1):
@@ -117,5 +149,7 @@ def iter_lines(path: str | Path) -> Iterator[str]:
                 yield line
         except UnicodeDecodeError:
             raise TraceError(f"{path}: not UTF-8 text (near line {line_no + 1})") from None
+        except GZIP_ERRORS as e:
+            raise TraceError(f"{path}: damaged gzip data near line {line_no + 1}: {e}") from None
     if empty:
         raise TraceError(f"{path}: empty file")

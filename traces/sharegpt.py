@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model import Trace, TraceError, TraceRequest, finalize, where
+from .model import GZIP_ERRORS, Trace, TraceError, TraceRequest, finalize, open_text, where
 
 # vLLM's benchmark filter (benchmarks/datasets: sample_sharegpt_requests).
 MIN_LEN = 4
@@ -42,15 +42,13 @@ class JsonArrayReader:
         self.broken_tail_line: int | None = None
 
     def __iter__(self) -> Iterator[tuple[int, object]]:
-        try:
-            f = open(self.path, encoding="utf-8-sig")  # -sig: skip a BOM
-        except OSError as e:
-            raise TraceError(f"{self.path}: cannot read: {e.strerror or e}") from None
-        with f:
+        with open_text(self.path) as f:
             try:
                 yield from self._elements(f)
             except UnicodeDecodeError:
                 raise TraceError(f"{self.path}: not UTF-8 text") from None
+            except GZIP_ERRORS as e:
+                raise TraceError(f"{self.path}: damaged gzip data: {e}") from None
 
     def _elements(self, f) -> Iterator[tuple[int, object]]:
         decoder = json.JSONDecoder()

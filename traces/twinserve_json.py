@@ -12,6 +12,7 @@ Optional per request: ``prompt`` (text), ``prompt_token_ids`` (list of ids) or
 """
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -48,9 +49,14 @@ def dumps_trace(trace: Trace, build_command: str | None = None) -> str:
 
 
 def save_trace(trace: Trace, path: str | Path, build_command: str | None = None) -> None:
-    """Write ``trace`` as twinserve JSON (UTF-8, '\\n' line ends: byte-reproducible)."""
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.write(dumps_trace(trace, build_command))
+    """Write ``trace`` as twinserve JSON (UTF-8, '\\n' line ends: byte-reproducible);
+    gzip-compressed when the name ends in '.gz' (no name or time in the gzip header,
+    so that stays byte-reproducible too)."""
+    data = dumps_trace(trace, build_command).encode("utf-8")
+    if str(path).lower().endswith(".gz"):
+        data = gzip.compress(data, compresslevel=9, mtime=0)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _token_ids(record: dict, prompt_len: int, at: str):

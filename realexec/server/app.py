@@ -1,44 +1,60 @@
 """The FastAPI app: OpenAI-compatible endpoints over an AsyncEngine.
 
-    app = create_app(LLMEngine(args), served_model_name="SmolLM2-135M-Instruct")
+    app = create_app(LLMEngine(args), served_model_name="SmolLM2-135M-Instruct",
+                     config=ServerConfig(api_key="sk-...", request_timeout=60))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true`
 as server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health,
 GET /metrics (Prometheus text). Errors use OpenAI's body
-{"error": {"message", "type", "param", "code"}}: 400 bad parameters or malformed JSON
-or a prompt that does not fit the context, 404 unknown model or path, 503 queue full
-(--max-waiting-requests) or engine down, 500 anything else.
+{"error": {"message", "type", "param", "code"}} (errors.py); every one is counted in
+/metrics as request_rejected_total{reason=<code>}.
+
+A POST's life: the guard (an ASGI middleware) answers 401 without a valid API key and
+503 while the server drains for shutdown; the handler checks the content type (415),
+reads the body up to --max-request-body-bytes (413, before any parsing), then decodes,
+parses, validates and tokenizes it in a worker thread (`prepare`: 400 for bad UTF-8,
+bad JSON, bad fields, n / logprobs over the limits, prompt + max_tokens over the
+context), so a huge body never holds up the event loop or the engine thread. Only
+token ids reach the engine.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
-import re
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core import InvalidRequestError, SamplingParams
-from realexec.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from realexec.server.async_engine import AsyncEngine, RequestStream
+from realexec.server.config import ServerConfig
+from realexec.server.errors import (APIError, EngineDeadError, QueueFullError, RequestTimeoutError,
+                                    ShuttingDownError, as_api_error)
 from realexec.server.metrics import ServerMetrics
 from realexec.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob,
                                       CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                      DeltaMessage, ModelCard, ModelList, TopLogprob, Usage, error_body)
+                                      DeltaMessage, ModelCard, ModelList, TopLogprob, Usage)
 
 if TYPE_CHECKING:
     from realexec.engine import LLMEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DISCONNECT_POLL_S = 0.5
+MAX_UNKNOWN_FIELDS_LOGGED = 64
+logger = logging.getLogger("twinserve.server")
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -54,24 +70,17 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected before the answer was ready."""
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+def _reject_json_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
 
 
-_PARAM_RE = re.compile(r"(?:sampling )?parameter (\w+)")
-
-
-def _invalid(e: InvalidRequestError, default_param: str | None = None) -> APIError:
-    msg = str(e)
-    m = _PARAM_RE.search(msg)
-    param = m.group(1) if m else ("prompt" if msg.startswith(("prompt", "request")) else None) or default_param
-    return APIError(400, msg, param=param, code="invalid_value")
+@dataclass
+class Prepared:
+    """A request body turned into what the engine needs (built in a worker thread)."""
+    req: CompletionRequest | ChatCompletionRequest
+    model: str
+    params: SamplingParams
+    prompt_token_ids: list[list[int]]
 
 
 class _SSEResponse(StreamingResponse):
@@ -97,23 +106,119 @@ class _SSEResponse(StreamingResponse):
 
 
 class OpenAIServer:
-    """State shared by the handlers: the async engine, the names served, metrics."""
+    """State shared by the handlers: the async engine, the names served, limits, metrics."""
 
-    def __init__(self, engine: "LLMEngine", served_model_names: list[str], max_waiting_requests: int | None):
+    def __init__(self, engine: "LLMEngine", served_model_names: list[str], config: ServerConfig):
         self.llm_engine = engine
         self.names = served_model_names
+        self.config = config
+        self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(served_model_names[0])
-        self.engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, metrics=self.metrics)
-        self.metrics.stats_source = lambda: self.engine.stats
+        self.engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests, metrics=self.metrics)
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+        self._unknown_fields_logged: set[str] = set()
+        self.draining = False
+        self.in_flight = 0                     # /v1 requests being answered (streams included)
 
-    # -- helpers --------------------------------------------------------------------------------
+    # -- errors -------------------------------------------------------------------------------
+    def reject(self, e: BaseException, **kw) -> Response:
+        """The error response for `e`, counted in /metrics under its code."""
+        err = as_api_error(e, **kw)
+        if err.status >= 500 and err.code == "internal_error":
+            logger.error("internal error answering a request", exc_info=e)
+        self.metrics.request_rejected(err.code)
+        return err.response()
+
+    # -- parsing and validation (worker thread) -------------------------------------------------
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.names:
             return self.names[0] if name is None else name
-        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        raise APIError(404, f"The model `{name}` does not exist.", type="not_found_error", param="model",
+                       code="model_not_found")
 
+    def prepare(self, body: bytes, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Prepared:
+        """Decode, parse, validate and tokenize one request body; raises APIError or
+        InvalidRequestError. Runs in a worker thread: nothing here touches the engine."""
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})",
+                           code="invalid_encoding") from None
+        try:
+            data = json.loads(text, parse_constant=_reject_json_constant)
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
+        try:
+            req = kind.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        self._log_unknown_fields(kind, data)
+        model = self.check_model(req.model)
+        params = req.sampling_params()
+        chat = kind is ChatCompletionRequest
+        cfg = self.config
+        if params.n > cfg.max_n:
+            raise APIError(400, f"n={params.n} is more than this server allows per request "
+                                f"(--max-n {cfg.max_n})", param="n")
+        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+            raise APIError(400, f"{'top_logprobs' if chat else 'logprobs'}={params.logprobs} is more than this "
+                                f"server returns (--max-logprobs {cfg.max_logprobs})",
+                           param="top_logprobs" if chat else "logprobs")
+        if chat:
+            prompts = [self._tokenize(req.conversation(), "messages")]
+        else:
+            prompts = []
+            for p in req.prompts():
+                if isinstance(p, str):
+                    if not p:
+                        raise APIError(400, "prompt is empty", param="prompt")
+                    prompts.append(self._tokenize(p, "prompt"))
+                else:
+                    prompts.append(list(p))
+        for ids in prompts:
+            self._check_context(len(ids), params.max_tokens, req, chat)
+        return Prepared(req, model, params, prompts)
+
+    def _tokenize(self, what: str | list[dict], param: str) -> list[int]:
+        engine = self.llm_engine
+        try:
+            return engine.encode_chat(what) if param == "messages" else engine.encode(what)
+        except InvalidRequestError:
+            raise
+        except Exception as e:   # noqa: BLE001 - the template or tokenizer refused this input
+            raise APIError(400, f"{param} could not be tokenized: {type(e).__name__}: {e}", param=param) from None
+
+    def _check_context(self, prompt_len: int, max_tokens: int | None, req, chat: bool) -> None:
+        limit = self.max_model_len
+        where = "messages" if chat else "prompt"
+        if prompt_len == 0:
+            raise APIError(400, f"{where} is empty", param=where)
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                f"{where} has {prompt_len} tokens (at least one more is needed for the "
+                                f"completion). Please reduce the length of the {where}.",
+                           param=where, code="context_length_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, "
+                                f"{max_tokens} in the completion). Please reduce the length of the {where} "
+                                f"or completion.", param=field, code="context_length_exceeded")
+
+    def _log_unknown_fields(self, kind: type[BaseModel], data: dict) -> None:
+        seen = self._unknown_fields_logged
+        if len(seen) >= MAX_UNKNOWN_FIELDS_LOGGED:      # a client inventing names cannot flood the log
+            return
+        unknown = sorted(set(data) - set(kind.model_fields) - seen)[:MAX_UNKNOWN_FIELDS_LOGGED - len(seen)]
+        if unknown:
+            seen.update(unknown)
+            logger.warning("ignoring unknown request field(s) %s (logged once per name)",
+                           ", ".join(repr(name[:40]) for name in unknown))
+
+    # -- helpers --------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -122,20 +227,36 @@ class OpenAIServer:
             self._token_text[token_id] = text
         return text
 
-    async def start_stream(self, params: SamplingParams, *, prompts=None, messages=None, priority: int = 0,
-                           request_id: str, param_name: str) -> RequestStream:
+    async def read_prepared(self, raw: Request, kind) -> Prepared:
+        """Content type (415), body size (413, checked while reading, before parsing), then
+        `prepare` in a worker thread."""
+        ctype = raw.headers.get("content-type", "")
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'}: send "
+                                f"'Content-Type: application/json' with a JSON body", code="unsupported_media_type")
+        limit = self.config.max_request_body_bytes
+        too_large = APIError(413, f"request body is larger than this server accepts "
+                                  f"(--max-request-body-bytes {limit})", code="request_too_large")
+        declared = raw.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return await asyncio.to_thread(self.prepare, b"".join(chunks), kind)
+
+    async def start_stream(self, prep: Prepared, request_id: str) -> RequestStream:
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica")
         if self.llm_engine.is_sleeping:
             raise APIError(503, "the engine is sleeping: POST /wake_up first", type="server_error",
-                           code="engine_sleeping")
-        try:
-            return await self.engine.generate(prompts, params, messages=messages, priority=priority,
-                                              request_id=request_id)
-        except InvalidRequestError as e:
-            raise _invalid(e, param_name) from None
-        except QueueFullError as e:
-            raise APIError(503, str(e), type="server_error", code="queue_full") from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+                           code="engine_sleeping", headers={"Retry-After": "1"})
+        return await self.engine.generate(prep.prompt_token_ids, prep.params, priority=prep.req.priority,
+                                          request_id=request_id, timeout=self.config.request_timeout)
 
     async def collect(self, stream: RequestStream, raw: Request) -> dict:
         """Final RequestOutput per prompt index. If the client leaves first, abort the
@@ -155,12 +276,27 @@ class OpenAIServer:
                     return task.result()
                 if await raw.is_disconnected():
                     raise ClientGone()
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
         finally:
             if not task.done():
                 task.cancel()
             self.engine.abort(stream)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests (503), wait up to `timeout` s for the running ones, then abort
+        the rest: each gets a final error (an SSE error event when streaming)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            logger.warning("shutdown: aborting %d request(s) still running after %.1f s", self.in_flight, timeout)
+            self.engine.abort_all(ShuttingDownError(
+                f"the server shut down before this request finished (--shutdown-timeout {timeout:g} s)"))
+            deadline = loop.time() + 5.0
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
 
     # -- logprobs -------------------------------------------------------------------------------
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
@@ -189,10 +325,11 @@ class OpenAIServer:
 
 
 def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
-               served_model_name: str | list[str] | None = None,
-               max_waiting_requests: int | None = None) -> FastAPI:
+               served_model_name: str | list[str] | None = None, config: ServerConfig | None = None) -> FastAPI:
     """Build the app around `engine` (or a new LLMEngine(engine_args)). The engine thread
     starts with the app (lifespan) and stops with it."""
+    config = config if config is not None else ServerConfig()
+    config.validate()
     if engine is None:
         from realexec.engine import LLMEngine
         engine = LLMEngine(engine_args)
@@ -202,7 +339,7 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
         names = [served_model_name]
     else:
         names = list(served_model_name)
-    server = OpenAIServer(engine, names, max_waiting_requests)
+    server = OpenAIServer(engine, names, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -215,14 +352,19 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
 
     app = FastAPI(title="twinserve", lifespan=lifespan)
     app.state.server = server
-    _install_error_handlers(app)
+    _install_error_handlers(app, server)
+    app.add_middleware(_Guard, server=server)
 
     # -- simple endpoints ---------------------------------------------------------------------
     @app.get("/health")
-    async def health():
+    async def health():             # 503 (not counted as a rejection) tells a load balancer to stop
+        if server.draining:
+            return as_api_error(ShuttingDownError("the server is shutting down")).response()
         if server.engine.is_running:
             return {"status": "ok"}
-        return APIError(503, "engine is not running", type="server_error", code="engine_dead").response()
+        return APIError(503, "the engine is not running" + (
+            f": it failed with {server.engine.error!r}" if server.engine.error else ""),
+            type="server_error", code="engine_dead").response()
 
     if engine.args.enable_sleep_mode:              # development endpoints (vLLM's dev mode)
         @app.post("/sleep")
@@ -252,24 +394,19 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # -- completions ----------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        model = server.check_model(req.model)
-        try:
-            params = req.sampling_params()
-            prompts = req.prompts()
-        except InvalidRequestError as e:
-            raise _invalid(e) from None
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(raw: Request):
+        prep = await server.read_prepared(raw, CompletionRequest)
+        req, params, model = prep.req, prep.params, prep.model
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await server.start_stream(params, prompts=prompts, priority=req.priority,
-                                           request_id=request_id, param_name="prompt")
+        stream = await server.start_stream(prep, request_id)
         created = int(time.time())
         if req.stream:
             return _SSEResponse(_completion_chunks(server, stream, req, params, request_id, model, created),
                                 on_close=lambda: server.engine.abort(stream))
         finals = await server.collect(stream, raw)
         choices, completion_tokens = [], 0
-        for index in range(len(prompts)):
+        for index in range(len(prep.prompt_token_ids)):
             out = finals[index]
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
@@ -282,17 +419,12 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
     # -- chat -----------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        model = server.check_model(req.model)
-        try:
-            params = req.sampling_params()
-            conversation = req.conversation()
-        except InvalidRequestError as e:
-            raise _invalid(e) from None
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(raw: Request):
+        prep = await server.read_prepared(raw, ChatCompletionRequest)
+        req, params, model = prep.req, prep.params, prep.model
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await server.start_stream(params, messages=conversation, priority=req.priority,
-                                           request_id=request_id, param_name="messages")
+        stream = await server.start_stream(prep, request_id)
         created = int(time.time())
         if req.stream:
             return _SSEResponse(_chat_chunks(server, stream, req, params, request_id, model, created),
@@ -309,20 +441,65 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
                       total_tokens=stream.num_prompt_tokens + completion_tokens)
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
     return app
+
+
+# ----------------------------------------------------------------------------- guard: auth, drain
+
+class _Guard:
+    """ASGI middleware in front of every route: the API key (401, compared in constant
+    time) on every route but /health (and /metrics unless --protect-metrics: the /v1 API,
+    the schema, the sleep-mode dev endpoints), 503 for new /v1 requests while draining,
+    and the count of /v1 requests in flight (a stream counts until it ends)."""
+
+    def __init__(self, app, server: OpenAIServer):
+        self.app = app
+        self.server = server
+        key = server.config.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        server = self.server
+        api = path == "/v1" or path.startswith("/v1/")
+        protected = path != "/health" and (path != "/metrics" or server.config.protect_metrics)
+        if protected and self.expected is not None:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                why = ("Incorrect API key provided." if given else
+                       "Missing API key: send the header 'Authorization: Bearer <key>'.")
+                resp = server.reject(APIError(401, why, code="invalid_api_key",
+                                              headers={"WWW-Authenticate": "Bearer"}))
+                return await resp(scope, receive, send)
+        if not api:
+            return await self.app(scope, receive, send)
+        if server.draining:
+            resp = server.reject(ShuttingDownError("the server is shutting down; retry on another replica"))
+            return await resp(scope, receive, send)
+        server.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            server.in_flight -= 1
 
 
 # ----------------------------------------------------------------------------- streaming bodies
 
-async def _outputs_or_error(stream: RequestStream):
-    """The stream's (index, output) pairs; if the engine dies meanwhile, one final
-    (-1, 'data: {"error": ...}' + '[DONE]') event (the 200 status is already sent)."""
+async def _outputs_or_error(server: OpenAIServer, stream: RequestStream):
+    """The stream's (index, output) pairs; if it ends in an error (engine failure,
+    timeout, shutdown), one final (-1, 'data: {"error": ...}' + '[DONE]') event (the 200
+    status is already sent). Counted in /metrics like any other refusal."""
     try:
         async for item in stream:
             yield item
-    except EngineDeadError as e:
-        body = error_body(str(e), type="server_error", code="engine_dead")
-        yield -1, f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+    except Exception as e:   # noqa: BLE001 - whatever ended the stream, the client hears of it
+        err = as_api_error(e)
+        server.metrics.request_rejected(err.code)
+        server.engine.abort(stream)
+        yield -1, f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n"
 
 
 async def _completion_chunks(server: OpenAIServer, stream: RequestStream, req: CompletionRequest,
@@ -332,7 +509,7 @@ async def _completion_chunks(server: OpenAIServer, stream: RequestStream, req: C
     completion_tokens = 0
     usage_null = ', "usage": null' if req.include_usage else ""
     head = f'{{"id": "{request_id}", "object": "text_completion", "created": {created}, "model": {json.dumps(model)}, '
-    async for index, out in _outputs_or_error(stream):
+    async for index, out in _outputs_or_error(server, stream):
         if isinstance(out, str):
             yield out
             return
@@ -371,7 +548,7 @@ async def _chat_chunks(server: OpenAIServer, stream: RequestStream, req: ChatCom
 
     for i in range(params.n):          # the role first, for every choice
         yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-    async for _, out in _outputs_or_error(stream):
+    async for _, out in _outputs_or_error(server, stream):
         if isinstance(out, str):
             yield out
             return
@@ -393,41 +570,60 @@ async def _chat_chunks(server: OpenAIServer, stream: RequestStream, req: ChatCom
     yield "data: [DONE]\n\n"
 
 
-# ----------------------------------------------------------------------------- errors
+# ----------------------------------------------------------------------------- errors, schema
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _validation_error(e: ValidationError) -> APIError:
+    parts, param = [], None
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ())]
+        if loc and param is None:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    return APIError(400, "; ".join(parts), param=param, code="invalid_value")
+
+
+def _install_error_handlers(app: FastAPI, server: OpenAIServer) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return e.response()
+        return server.reject(e)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, e: ClientGone):
-        return APIError(499, "client closed the request", code="client_closed_request").response()
-
-    @app.exception_handler(InvalidRequestError)
-    async def invalid_request(_: Request, e: InvalidRequestError):
-        return _invalid(e).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
-        errors = e.errors()
-        if any(err.get("type") == "json_invalid" for err in errors):
-            err = next(err for err in errors if err.get("type") == "json_invalid")
-            ctx = err.get("ctx", {}).get("error", "")
-            return APIError(400, f"malformed JSON body: {ctx or err.get('msg')}", code="invalid_json").response()
-        parts, param = [], None
-        for err in errors:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            if loc and param is None:
-                param = loc[0]
-            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-        return APIError(400, "; ".join(parts), param=param, code="invalid_value").response()
+        return server.reject(APIError(499, "client closed the request", code="client_closed_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return APIError(e.status_code, str(e.detail), type=kind).response()
+        if e.status_code == 404:
+            return server.reject(APIError(404, str(e.detail), type="not_found_error", code="not_found"))
+        if e.status_code == 405:
+            return server.reject(APIError(405, str(e.detail), code="method_not_allowed"))
+        return server.reject(APIError(e.status_code, str(e.detail), code="invalid_value"))
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception):
-        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+    async def known_error(request: Request, e: Exception):
+        chat = request.url.path.endswith("/chat/completions")
+        return server.reject(e, prompt_param="messages" if chat else "prompt")
+
+    for kind in (InvalidRequestError, QueueFullError, EngineDeadError, ShuttingDownError, RequestTimeoutError):
+        app.add_exception_handler(kind, known_error)
+    app.add_exception_handler(Exception, known_error)        # anything else: a logged 500
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _install_openapi(app: FastAPI, bodies: list[type[BaseModel]]) -> None:
+    """The handlers read raw bodies (to bound and parse them off the loop), so the request
+    schemas are added to the generated OpenAPI document by hand."""
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in bodies:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi

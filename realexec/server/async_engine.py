@@ -1,13 +1,15 @@
 """AsyncEngine: an LLMEngine driven by one background thread, fed from asyncio handlers.
 
     engine = AsyncEngine(LLMEngine(args)); engine.start()
-    stream = await engine.generate(["Hello"], SamplingParams(max_tokens=8))   # raises on bad input
+    stream = await engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # raises on bad input
     async for prompt_index, output in stream:                                  # RequestOutputs
         ...
     engine.abort(stream)       # client gone: the engine thread aborts it and frees its blocks
 
-Threads. Every call into the engine (add_request, abort_request, step, encode_chat) and
-the scheduler happens on the engine thread: the core is not thread-safe and needs none.
+Threads. Every call into the engine (add_request, abort_request, step) and the scheduler
+happens on the engine thread: the core is not thread-safe and needs none. Prompts
+arrive tokenized (the HTTP layer tokenizes in worker threads, so neither the event
+loop nor the engine thread ever waits on a long prompt).
 Handlers (on the asyncio loop) hand work over through two lists guarded by a
 `threading.Condition`: `generate` appends an add (a group of engine requests: one per
 prompt of a batch) and `abort` appends request ids; both `notify()`. The engine thread
@@ -22,10 +24,15 @@ advances 100 streams costs one cross-thread wake-up, not 100. The first item of 
 stream is its ack (prompt token ids) or the exception that refused it, so a handler
 can answer 400/503 before it commits to a 200 streaming response.
 
-Abort. A handler's `finally` (stream closed, client disconnected, task cancelled)
-calls `abort(stream)` for requests not yet finished; the engine thread drops the
-stream, calls `engine.abort_request` (the scheduler frees the request's KV blocks) and
-counts it as finished_reason="abort".
+Abort. A handler's `finally` (stream closed, client disconnected, task cancelled,
+--request-timeout passed) calls `abort(stream)` for requests not yet finished; the
+engine thread drops the stream, calls `engine.abort_request` (the scheduler frees the
+request's KV blocks) and counts it as finished_reason="abort". `abort_all(error)`
+(shutdown) aborts everything and hands `error` to every stream.
+
+Faults. If a step raises, the thread records the error, hands EngineDeadError to every
+stream and every pending add, and exits; later `generate` calls raise EngineDeadError.
+Nothing is dropped silently: each stream ends with an output that finished or an error.
 """
 from __future__ import annotations
 
@@ -35,23 +42,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
-from core import InvalidRequestError, SamplingParams
+from core import SamplingParams
+from realexec.server.errors import EngineDeadError, QueueFullError, RequestTimeoutError
+from realexec.server.metrics import EngineStats
 
 if TYPE_CHECKING:
     from realexec.engine import LLMEngine, RequestOutput
     from realexec.server.metrics import ServerMetrics
 
 logger = logging.getLogger("twinserve.server")
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than --max-waiting-requests allows (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (crashed or shut down); no request can be served."""
 
 
 @dataclass
@@ -62,8 +63,7 @@ class _Ack:
 @dataclass
 class _Sub:
     request_id: str
-    prompt: str | list[int] | None            # text or token ids ...
-    messages: list[dict] | None               # ... or a conversation for the chat template
+    prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
 
@@ -73,9 +73,10 @@ class RequestStream:
 
     Iterating yields (prompt index, RequestOutput) until every engine request finished."""
 
-    def __init__(self, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_ids: list[str], loop: asyncio.AbstractEventLoop, timeout: float | None = None):
         self.request_ids = request_ids
         self.loop = loop
+        self.deadline = None if timeout is None else loop.time() + timeout
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_token_ids: list[list[int]] = []
         self.unfinished = set(request_ids)
@@ -99,10 +100,20 @@ class RequestStream:
     def __aiter__(self):
         return self._iterate()
 
+    async def _next_item(self):
+        if self.deadline is None:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(0.0, self.deadline - self.loop.time()))
+        except asyncio.TimeoutError:
+            # Still unfinished in the engine: the handler's abort(stream) frees it.
+            raise RequestTimeoutError("the request took longer than the server's --request-timeout; "
+                                      "it was aborted") from None
+
     async def _iterate(self):
         while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
+            item = await self._next_item()
+            if isinstance(item, BaseException):     # the engine side dropped these requests
                 self.unfinished.clear()
                 raise item
             index, out = item
@@ -122,13 +133,16 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[tuple[RequestStream, list[_Sub]]] = []
         self._aborts: list[str] = []
+        self._abort_all: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         # Engine-thread state: request id -> (stream, prompt index).
         self._streams: dict[str, tuple[RequestStream, int]] = {}
         self.error: BaseException | None = None
-        self.stats: dict[str, Any] = {}
+        # Test hook: called on the engine thread before every step (raise to inject a fault).
+        self.before_step: Callable[[], None] | None = None
+        self.stats = EngineStats()
         self._publish_stats()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -153,22 +167,19 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**8}"
 
-    async def generate(self, prompts: list[str | list[int]] | None, params: SamplingParams, *,
-                       messages: list[dict] | None = None, priority: int = 0,
-                       request_id: str | None = None) -> RequestStream:
-        """Queue one engine request per prompt (or one for `messages`); return their stream
-        once the engine thread accepted them all. Raises InvalidRequestError (a bad
-        prompt, too long for the context), QueueFullError, EngineDeadError."""
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, *, priority: int = 0,
+                       request_id: str | None = None, timeout: float | None = None) -> RequestStream:
+        """Queue one engine request per tokenized prompt; return their stream once the
+        engine thread accepted them all. Raises InvalidRequestError (a bad prompt, too
+        long for the context), QueueFullError, EngineDeadError. With `timeout` (seconds
+        from now) iterating the stream raises RequestTimeoutError after it."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error
-                                  else "the engine is not running")
+            raise EngineDeadError("the engine is not running" + (f": it failed with {self.error!r}"
+                                                                  if self.error else ""))
         base = request_id or self.new_request_id("req")
-        if messages is not None:
-            subs = [_Sub(base, None, messages, params, priority)]
-        else:
-            ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-            subs = [_Sub(rid, p, None, params, priority) for rid, p in zip(ids, prompts)]
-        stream = RequestStream([s.request_id for s in subs], asyncio.get_running_loop())
+        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        subs = [_Sub(rid, p, params, priority) for rid, p in zip(ids, prompts)]
+        stream = RequestStream(ids, asyncio.get_running_loop(), timeout)
         with self._cond:
             self._adds.append((stream, subs))
             self._cond.notify()
@@ -188,24 +199,37 @@ class AsyncEngine:
                 self._aborts.extend(ids)
                 self._cond.notify()
 
+    def abort_all(self, error: BaseException) -> None:
+        """Abort every request (queued adds too) and end each stream with `error`."""
+        with self._cond:
+            self._abort_all = error
+            self._cond.notify()
+
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
         try:
             while True:
                 with self._cond:
-                    while not (self._adds or self._aborts or self._stopping) and not engine.has_unfinished_requests():
+                    while not (self._adds or self._aborts or self._stopping or self._abort_all) \
+                            and not engine.has_unfinished_requests():
                         self._cond.wait()
                     if self._stopping:
                         break
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    abort_all, self._abort_all = self._abort_all, None
                 deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+                if abort_all is not None:
+                    self._fail(abort_all, adds, abort_engine_requests=True)
+                    adds = []
                 for stream, subs in adds:
                     self._add(stream, subs, deliveries)
                 for request_id in aborts:
                     self._abort(request_id)
                 if engine.has_unfinished_requests():
+                    if self.before_step is not None:
+                        self.before_step()
                     outputs = engine.step()
                     self._route(outputs, deliveries)
                 self._publish_stats()
@@ -214,8 +238,11 @@ class AsyncEngine:
             logger.exception("engine thread died")
             self.error = e
         finally:
-            self._fail_all(EngineDeadError(f"the engine stopped: {self.error!r}" if self.error
-                                           else "the server is shutting down"))
+            with self._cond:
+                adds, self._adds = self._adds, []
+            self._fail(EngineDeadError(f"the engine failed: {self.error!r}" if self.error
+                                       else "the server shut down"), adds, abort_engine_requests=self.error is None)
+            self._publish_stats()
 
     def _add(self, stream: RequestStream, subs: list[_Sub], deliveries) -> None:
         engine = self.engine
@@ -228,26 +255,16 @@ class AsyncEngine:
                     f"(--max-waiting-requests {limit}); retry later")
             prompt_ids = []
             for i, sub in enumerate(subs):
-                # Tokenize here (the engine thread owns the tokenizer too), then add by ids.
-                if sub.messages is not None:
-                    ids = engine.encode_chat(sub.messages)
-                elif isinstance(sub.prompt, str):
-                    if not sub.prompt:
-                        raise InvalidRequestError("prompt is empty")
-                    ids = engine.encode(sub.prompt)
-                else:
-                    ids = sub.prompt
-                engine.add_request(ids, sub.params, request_id=sub.request_id, priority=sub.priority)
+                engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id,
+                                   priority=sub.priority)
                 added.append(sub.request_id)
                 self._streams[sub.request_id] = (stream, i)
-                prompt_ids.append(list(ids))
+                prompt_ids.append(sub.prompt_token_ids)
         except Exception as e:                      # all or nothing for a batch of prompts
             for request_id in added:
                 engine.abort_request(request_id)
                 self._streams.pop(request_id, None)
-            if self.metrics is not None:
-                self.metrics.request_rejected(e)
-            if not isinstance(e, (InvalidRequestError, QueueFullError)):
+            if not isinstance(e, (ValueError, QueueFullError)):
                 logger.exception("add_request failed")
             deliveries.setdefault(stream.loop, []).append((stream, e))
             return
@@ -283,14 +300,16 @@ class AsyncEngine:
                     for request_id in stream.request_ids:
                         self._abort(request_id)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, adds, abort_engine_requests: bool) -> None:
+        """End every stream (and every add not yet applied) with `error`; with
+        abort_engine_requests, also abort their engine requests (frees their KV)."""
         deliveries: dict = {}
-        with self._cond:
-            adds, self._adds = self._adds, []
         for stream, _ in adds:
             deliveries.setdefault(stream.loop, []).append((stream, error))
         seen = set()
-        for stream, _ in self._streams.values():
+        for request_id, (stream, _) in list(self._streams.items()):
+            if abort_engine_requests:
+                self._abort(request_id)
             if id(stream) not in seen:
                 seen.add(id(stream))
                 deliveries.setdefault(stream.loop, []).append((stream, error))
@@ -305,19 +324,15 @@ class AsyncEngine:
         """A snapshot for /metrics, replaced whole (readers on other threads see one or the other)."""
         sched = self.engine.scheduler
         kv = sched.kv.stats()
-        self.stats = {
-            "num_requests_running": sched.num_running,
-            "num_requests_waiting": sched.num_waiting,
-            "num_requests_swapped": sched.num_swapped,
-            "kv_cache_usage_perc": kv.gpu_usage,
-            "cpu_cache_usage_perc": kv.num_used_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": sched.num_preemptions,
-            "num_gpu_blocks": kv.num_gpu_blocks,
-            "num_used_gpu_blocks": kv.num_used_gpu_blocks,
-            "num_pending": len(self._streams),
-        }
+        self.stats = EngineStats(
+            num_requests_running=sched.num_running, num_requests_waiting=sched.num_waiting,
+            num_requests_swapped=sched.num_swapped, kv_cache_usage_perc=kv.gpu_usage,
+            cpu_cache_usage_perc=kv.num_used_cpu_blocks / kv.num_cpu_blocks if kv.num_cpu_blocks else 0.0,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions, num_gpu_blocks=kv.num_gpu_blocks,
+            num_used_gpu_blocks=kv.num_used_gpu_blocks, num_pending=len(self._streams))
+        if self.metrics is not None:
+            self.metrics.publish(self.stats)
 
 
 def _put_all(items) -> None:

@@ -9,6 +9,7 @@ BENCH_SERVE_HELP = "serving benchmark: stream a trace's requests at a rate to an
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from realexec.config import add_engine_args
+    from realexec.server.config import add_server_args
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to listen on [127.0.0.1]")
@@ -16,34 +17,40 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported in /v1/models and metrics "
                         "(default: SmolLM2-135M-Instruct for the embedded model, else the --model path's name)")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 when this many requests are already waiting to be admitted (default: no limit)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level [info]")
+    add_server_args(parser)
     add_engine_args(parser)
     return parser
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from realexec.config import engine_args_from_namespace
+    from realexec.server.config import server_config_from_namespace
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     engine_args = engine_args_from_namespace(args)
     engine_args.validate()                     # bad flags fail before torch and the model load
+    config = server_config_from_namespace(args)
+    config.validate()
 
     import uvicorn
 
     from realexec.engine import LLMEngine
     from realexec.server.app import create_app, default_served_model_name
+    from realexec.server.lifecycle import DrainingServer
 
     engine = LLMEngine(engine_args)
     names = args.served_model_name or [default_served_model_name(engine_args.model)]
-    app = create_app(engine, served_model_name=names, max_waiting_requests=args.max_waiting_requests)
+    app = create_app(engine, served_model_name=names, config=config)
     print(f"twinserve: serving {names[0]!r} (max_model_len {engine.max_model_len}, "
-          f"{engine.scheduler.cache_config.num_gpu_blocks} KV blocks of {engine_args.block_size}) "
-          f"on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+          f"{engine.scheduler.cache_config.num_gpu_blocks} KV blocks of {engine_args.block_size}"
+          f"{', API key required' if config.api_key else ''}) on http://{args.host}:{args.port}/v1", flush=True)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=5),
+                            drain=app.state.server.drain, shutdown_timeout=config.shutdown_timeout)
+    server.run()
+    used = engine.scheduler.kv.stats().num_used_gpu_blocks
+    print(f"twinserve: stopped; {used} KV blocks in use", flush=True)
     return 0

@@ -3,8 +3,9 @@
 Each app has its own CollectorRegistry (tests create several apps in one process).
 Request-level counters and histograms are updated by the engine thread as outputs come
 out (prometheus_client's metrics are thread-safe); engine-state gauges and the
-scheduler's cumulative counters are read at scrape time from the snapshot the engine
-thread publishes after every loop iteration (AsyncEngine.stats).
+scheduler's cumulative counters come from an `EngineStats` snapshot the engine thread
+hands to `publish` after every loop iteration (one way: metrics never read the engine).
+Rejections are counted by the HTTP layer under the error's code (errors.REJECTION_CODES).
 
 | metric | type | vLLM name |
 |---|---|---|
@@ -14,7 +15,8 @@ thread publishes after every loop iteration (AsyncEngine.stats).
 | twinserve:num_preemptions_total | counter | vllm:num_preemptions |
 | twinserve:prompt_tokens_total / generation_tokens_total | counter | same |
 | twinserve:request_success_total{finished_reason=stop,length,abort} | counter | same |
-| twinserve:request_rejected_total{reason=invalid,queue_full,error} | counter | (ours) |
+| twinserve:request_rejected_total{reason=<error code>} | counter | (ours) |
+| twinserve:num_gpu_blocks, twinserve:num_used_gpu_blocks | gauge | (ours) |
 | twinserve:time_to_first_token_seconds | histogram | same |
 | twinserve:inter_token_latency_seconds (one per output step) | histogram | same (v0: time_per_output_token_seconds) |
 | twinserve:request_time_per_output_token_seconds (one per request) | histogram | same |
@@ -23,11 +25,14 @@ thread publishes after every loop iteration (AsyncEngine.stats).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from realexec.server.errors import REJECTION_CODES
 
 if TYPE_CHECKING:
     from realexec.engine import RequestOutput
@@ -45,12 +50,30 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                240.0, 480.0, 960.0, 1920.0, 7680.0]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine thread publishes after each loop iteration (replaced whole)."""
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_requests_swapped: int = 0
+    kv_cache_usage_perc: float = 0.0
+    cpu_cache_usage_perc: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_gpu_blocks: int = 0
+    num_used_gpu_blocks: int = 0
+    num_pending: int = 0                # engine requests the server still routes outputs for
+
+
 _GAUGES = {
     "num_requests_running": "Requests in the running batch.",
     "num_requests_waiting": "Requests waiting to be admitted (new or preempted by recompute).",
     "num_requests_swapped": "Requests whose KV blocks are swapped out to CPU memory.",
     "kv_cache_usage_perc": "Fraction of KV-cache (GPU pool) blocks in use; 1 = full.",
     "cpu_cache_usage_perc": "Fraction of the CPU swap pool's blocks in use.",
+    "num_gpu_blocks": "KV-cache (GPU pool) blocks in total.",
+    "num_used_gpu_blocks": "KV-cache (GPU pool) blocks in use (0 when idle: nothing leaks).",
 }
 _COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
@@ -60,24 +83,23 @@ _COUNTERS = {
 
 
 class _EngineStateCollector:
-    def __init__(self, stats: Callable[[], dict], model_name: str):
-        self.stats = stats
-        self.model_name = model_name
+    def __init__(self, metrics: "ServerMetrics"):
+        self.metrics = metrics
 
     def collect(self):
-        stats = self.stats()
+        stats, model_name = asdict(self.metrics.stats), self.metrics.model_name
         for name, doc in _GAUGES.items():
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(stats.get(name, 0)))
+            g.add_metric([model_name], float(stats[name]))
             yield g
         for name, doc in _COUNTERS.items():
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(stats.get(name, 0)))
+            c.add_metric([model_name], float(stats[name]))
             yield c
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict] = dict):
+    def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         reg, label = self.registry, ["model_name"]
@@ -94,7 +116,7 @@ class ServerMetrics:
         self._rejected = counter("request_rejected", "Requests refused before admission.", ["reason"])
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
-        for reason in ("invalid", "queue_full", "error"):
+        for reason in REJECTION_CODES:
             self._rejected.labels(model_name, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output steps of a request.",
@@ -108,18 +130,19 @@ class ServerMetrics:
                                                TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per request (all samples).", TOKEN_BUCKETS)
-        self.stats_source = stats            # AsyncEngine sets it to read its latest snapshot
-        self.registry.register(_EngineStateCollector(lambda: self.stats_source(), model_name))
+        self.stats = EngineStats()
+        self.registry.register(_EngineStateCollector(self))
 
     def request_finished_reason(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def request_rejected(self, error: BaseException) -> None:
-        from core import InvalidRequestError
-        from realexec.server.async_engine import QueueFullError
-        reason = ("queue_full" if isinstance(error, QueueFullError)
-                  else "invalid" if isinstance(error, InvalidRequestError) else "error")
-        self._rejected.labels(self.model_name, reason).inc()
+    def publish(self, stats: EngineStats) -> None:
+        """Called by the engine thread; scrapes read whichever snapshot is current."""
+        self.stats = stats
+
+    def request_rejected(self, code: str) -> None:
+        """Count one refused request under its error code (one of REJECTION_CODES)."""
+        self._rejected.labels(self.model_name, code).inc()
 
     def output(self, out: "RequestOutput") -> None:
         """Called by the engine thread for every RequestOutput."""

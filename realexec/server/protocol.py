@@ -1,15 +1,16 @@
 """OpenAI API shapes: pydantic request models (validated on the way in) and response
 models (serialized on the way out), plus the error body.
 
-Only the fields we serve are declared; unknown fields are ignored (as vLLM does), so
-clients that send e.g. `user` or `presence_penalty: 0` keep working. Non-OpenAI extras
-follow vLLM's names: top_k, ignore_eos, priority, min_tokens, stop_token_ids,
-include_stop_str_in_output.
+Only the fields we serve are declared; unknown fields are accepted and ignored (as
+vLLM does; the server logs each unknown name once), so clients that send e.g. `user`
+keep working. A missing `model` means the first served model. Non-OpenAI extras follow
+vLLM's names: top_k, ignore_eos, priority, min_tokens, stop_token_ids,
+include_stop_str_in_output, cache_salt.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -40,6 +41,7 @@ class _SamplingFields(_Request):
     min_tokens: int = 0                       # extra
     stop_token_ids: list[int] | None = None   # extra
     include_stop_str_in_output: bool = False  # extra
+    cache_salt: str | None = None             # extra: prefix-cache blocks are shared only within one salt
     frequency_penalty: float | None = None    # accepted only as 0 (not implemented)
     presence_penalty: float | None = None     # accepted only as 0 (not implemented)
 
@@ -47,9 +49,10 @@ class _SamplingFields(_Request):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise InvalidRequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: "
-                                          f"only 0 is supported")
+                                          f"only 0 is supported", name)
         if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("invalid sampling parameter stream_options: only allowed with stream=true")
+            raise InvalidRequestError("invalid sampling parameter stream_options: only allowed with stream=true",
+                                      "stream_options")
         top_k = self.top_k or 0
         return SamplingParams(
             n=self.n, max_tokens=max_tokens,
@@ -59,7 +62,7 @@ class _SamplingFields(_Request):
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, min_tokens=self.min_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
 
     @property
     def include_usage(self) -> bool:
@@ -71,6 +74,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None                # refused above n: candidates are not ranked here
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one entry per prompt (choices are prompt-major, then sample index)."""
@@ -78,14 +82,17 @@ class CompletionRequest(_SamplingFields):
         if isinstance(p, str):
             return [p]
         if not p:
-            raise InvalidRequestError("invalid parameter prompt: empty list")
+            raise InvalidRequestError("invalid parameter prompt: empty list", "prompt")
         if isinstance(p[0], int):
             return [list(p)]
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
         if self.echo:
-            raise InvalidRequestError("invalid parameter echo=True: echo is not supported")
+            raise InvalidRequestError("invalid parameter echo=True: echo is not supported", "echo")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"invalid parameter best_of={self.best_of}: only best_of == n is supported "
+                                      f"(ask for n samples instead)", "best_of")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -103,7 +110,8 @@ class ChatMessage(_Request):
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
-                raise InvalidRequestError("invalid parameter messages: only text content parts are supported")
+                raise InvalidRequestError("invalid parameter messages: only text content parts are supported",
+                                          "messages")
             content = "".join(part.text for part in content)
         return {"role": self.role, "content": content or ""}
 
@@ -118,7 +126,7 @@ class ChatCompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("invalid parameter top_logprobs: requires logprobs=true")
+            raise InvalidRequestError("invalid parameter top_logprobs: requires logprobs=true", "top_logprobs")
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def conversation(self) -> list[dict[str, str]]:
@@ -233,8 +241,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}

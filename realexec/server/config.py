@@ -1,0 +1,76 @@
+"""ServerConfig: what protects the HTTP server (auth, limits, timeouts, shutdown).
+
+Each field is one `serve` flag (underscores become dashes), built by `add_server_args`
+from the fields' help, as EngineArgs does for the engine's knobs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+API_KEY_ENV = "TWINSERVE_API_KEY"
+MiB = 1 << 20
+
+
+def _arg(default, help: str, type=None):
+    return field(default=default, metadata={"help": help, "type": type})
+
+
+@dataclass
+class ServerConfig:
+    api_key: str | None = _arg(
+        None, f"require 'Authorization: Bearer KEY' on every route but /health (and /metrics unless "
+              f"--protect-metrics); 401 otherwise. Default: ${API_KEY_ENV} if set (preferred: a flag "
+              f"shows in the process list), else no auth")
+    protect_metrics: bool = _arg(False, "also require the API key on /metrics (/health always stays open)")
+    max_waiting_requests: int | None = _arg(
+        None, "answer 503 (with Retry-After) when this many requests already wait for admission "
+              "(default: no limit)", int)
+    max_request_body_bytes: int = _arg(4 * MiB, "larger request bodies get 413, refused before parsing", int)
+    max_n: int = _arg(16, "largest `n` (parallel samples) one request may ask for", int)
+    max_logprobs: int = _arg(20, "largest `logprobs` / `top_logprobs` one request may ask for", int)
+    request_timeout: float | None = _arg(
+        None, "abort a request after this many seconds (408, or a final SSE error event once "
+              "streaming); default: no timeout", float)
+    shutdown_timeout: float = _arg(
+        30.0, "on SIGTERM/SIGINT: refuse new requests (503), let running ones finish for this many "
+              "seconds, then abort the rest", float)
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+
+    def validate(self) -> None:
+        for name in ("max_request_body_bytes", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"--max-logprobs must be in [0, 20], got {self.max_logprobs}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("server limits and security")
+    for f in dataclasses.fields(ServerConfig):
+        kwargs = {"default": None if f.name == "api_key" else f.default,
+                  "help": f.metadata["help"] + (f" [{f.default}]" if f.default not in (None, False) else "")}
+        if f.type in ("bool", bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.metadata["type"] is not None:
+            kwargs["type"] = f.metadata["type"]
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+    return parser
+
+
+def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,293 @@
+"""Prefill/decode disaggregation (DistServe, Splitwise): P prefill replicas, D decode
+replicas, the KV cache moved between them over a link.
+
+    result = simulate_disagg(DisaggConfig(SimConfig(...), prefill=2, decode=2, link="nvlink"), trace)
+
+Life of a request:
+  1. the router (over the prefill replicas) sends it to a prefill replica, where it runs
+     as a request with max_tokens = 1: its prefill produces the first token (TTFT);
+  2. the prefill replica keeps the request's KV blocks (a reference taken just before the
+     step's update frees them) until they have been sent;
+  3. the decode replica with the most free blocks is chosen; the transfer waits there
+     (FIFO) until the decode side can hold the prompt's blocks above its watermark, and
+     reserves them (the transfer occupies blocks on both sides);
+  4. the link of the prefill replica carries the transfers one at a time: seconds =
+     latency + blocks x per-GPU block bytes / bandwidth (each of the TP ranks sends its
+     shard over its own link in parallel);
+  5. on arrival the reserved blocks are published in the decode replica's prefix cache
+     under the prompt's block hashes and the request (prompt + first token, max_tokens
+     = traced output - 1) enters the decode replica, whose admission finds the prompt
+     cached and computes only the tail (< one block + the first token). From arrival on
+     the blocks are cached but unreferenced: should the decode replica need memory
+     before it admits the request, they are evicted (tail first) and the lost part of
+     the prompt is recomputed there; holding them until admission can deadlock a full
+     decode replica.
+A request's record joins both halves: arrival, TTFT and first scheduling from the
+prefill side, the remaining token times and finish from the decode side (so TPOT counts
+the transfer and any wait for decode memory, as DistServe measures it).
+Decode replicas always run with prefix caching (it is how the KV is handed over).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from core import Request, SamplingParams
+from core.metrics import RequestRecord
+from sim.engine import SimConfig, resolve
+from sim.executor import SIM_EOS_TOKEN_ID
+from sim.fleet import Fleet, FleetConfig, FleetResult, Replica
+from traces import Trace
+
+# Per-GPU, one direction, bytes/s; latency in seconds per transfer.
+LINKS = {
+    "nvlink": (450e9, 5e-6),         # NVLink 4 (H100 SXM): 900 GB/s bidirectional
+    "infiniband": (50e9, 10e-6),     # NDR 400 Gb/s per GPU (one NIC per GPU)
+    "pcie": (25e9, 10e-6),           # PCIe 4.0 x16, effective
+}
+
+
+@dataclass
+class DisaggConfig:
+    replica: SimConfig = field(default_factory=SimConfig)
+    prefill: int = 1
+    decode: int = 1
+    link: str = "nvlink"
+    link_bandwidth_gbps: float | None = None     # GB/s; overrides the preset's bandwidth
+    router: str = "round-robin"                  # routes arrivals over the prefill replicas
+
+    def validate(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"--disaggregate P:D needs P >= 1 and D >= 1, got {self.prefill}:{self.decode}")
+        if self.link not in LINKS:
+            raise ValueError(f"unknown link {self.link!r}; choose from: {', '.join(LINKS)}")
+        if self.link_bandwidth_gbps is not None and not self.link_bandwidth_gbps > 0:
+            raise ValueError(f"link bandwidth must be > 0 GB/s, got {self.link_bandwidth_gbps}")
+        if self.replica.n != 1 or self.replica.beam_width:
+            raise ValueError("disaggregation runs one sequence per request (no --n / --beam-width)")
+        FleetConfig(self.replica, self.prefill, self.router).validate()
+
+    @property
+    def bandwidth(self) -> float:
+        return self.link_bandwidth_gbps * 1e9 if self.link_bandwidth_gbps else LINKS[self.link][0]
+
+    @property
+    def num_gpus(self) -> int:
+        return (self.prefill + self.decode) * self.replica.tp
+
+    def fleet_config(self) -> FleetConfig:
+        return FleetConfig(self.replica, self.prefill + self.decode, self.router)
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    """'2:3' -> (2, 3)."""
+    p, sep, d = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(p), int(d)
+    except ValueError:
+        raise ValueError(f"--disaggregate takes P:D (prefill and decode replica counts), got {text!r}") from None
+
+
+@dataclass
+class Transfer:
+    index: int                      # trace index
+    source: Replica
+    held: list[int]                 # prefill-side blocks (references taken before the free)
+    prompt: list[int]               # prompt + first token
+    ready: float                    # prefill finished: KV complete
+    target: Replica | None = None
+    reserved: list[int] = field(default_factory=list)
+    reserved_at: float = 0.0
+    started: float = 0.0
+    done: float = 0.0
+    request: Request | None = None  # the decode-side request
+    wakeup: object = None           # SimPy event: the decode side has reserved the blocks
+
+
+class DisaggFleet(Fleet):
+    def __init__(self, config: DisaggConfig, trace: Trace, *, progress: bool = False):
+        config.validate()
+        self.dconfig = config
+        super().__init__(FleetConfig(config.replica, config.prefill, config.router), trace, progress=progress, resolved=resolve(config.replica))
+        decode_resolved = resolve(replace(config.replica, enable_prefix_caching=True))
+        P = config.prefill
+        self.prefill = self.replicas[:P]
+        self.decode = [Replica(P + j, decode_resolved, trace, self.env, self) for j in range(config.decode)]
+        self.replicas = self.prefill + self.decode
+        n = len(trace.requests)
+        self.first_half: list[RequestRecord | None] = [None] * n
+        self.second_half: list[RequestRecord | None] = [None] * n
+        out_lens = self.prefill[0].max_tokens
+        for r in self.prefill:
+            r.records = self.first_half
+            r.max_tokens = [1] * n
+            r.before_update = self._prefill_before_update(r)
+            r._finish = self._prefill_finish(r, r._finish)
+        for r in self.decode:
+            r.records = self.second_half
+            r.max_tokens = [max(1, m - 1) for m in out_lens]
+            r.after_step = self._decode_after_step
+            r.queue = deque()                           # transfers waiting for this replica's memory
+        self.out_lens = out_lens
+        self._holds: dict[str, list[int]] = {}      # prefill request id -> blocks kept for sending
+        self.transfers: list[Transfer] = []
+        self._in_flight = 0
+        self._link_free = {r.index: 0.0 for r in self.prefill}
+        bb = self.prefill[0].resolved.block_bytes
+        self._block_seconds = bb / config.bandwidth
+        self._latency = LINKS[config.link][1]
+
+    # -- routing: arrivals go to prefill replicas only -------------------------------------
+    def route(self, request: Request, now: float) -> Replica:
+        replicas = self.prefill
+        if len(replicas) > 1 and self.router.reads_kv:
+            for r in replicas:
+                r.sync(now)
+        return replicas[self.router.choose(request, replicas) if len(replicas) > 1 else 0]
+
+    def more_work_may_come(self, replica: Replica) -> bool:
+        if self._next < len(self.arrivals):
+            return True
+        return replica.index >= len(self.prefill) and self._in_flight > 0
+
+    # -- prefill side -------------------------------------------------------------------------
+    def _prefill_before_update(self, replica: Replica):
+        gpu = replica.scheduler.kv.gpu
+
+        def hold(out, end):
+            for s in out.scheduled:
+                if s.num_samples and self.out_lens[s.seq.request.user_data] > 1:
+                    blocks = list(s.block_table)
+                    gpu.incref(blocks)
+                    self._holds[s.seq.request.request_id] = blocks
+        return hold
+
+    def _prefill_finish(self, replica: Replica, finish):
+        def on_finish(requests):
+            finish(requests)
+            for request in requests:
+                blocks = self._holds.pop(request.request_id, None)
+                if blocks is None:               # rejected, or a one-token request: done here
+                    continue
+                seq = request.finished_seqs[0]
+                t = Transfer(request.user_data, replica, blocks, list(seq.token_ids), request.metrics.finished_time)
+                self.transfers.append(t)
+                self._in_flight += 1
+                self.env.process(self._send(t))
+        return on_finish
+
+    # -- the transfer ---------------------------------------------------------------------------
+    def _send(self, t: Transfer):
+        env = self.env
+        yield env.timeout(max(0.0, t.ready - env.now))
+        target = max(self.decode, key=lambda d: (d.scheduler.kv.gpu.num_free - self._queued_blocks(d), -d.index))
+        t.target = target
+        target.queue.append(t)
+        t.reserved_at = -1.0
+        self._reserve(target, t.ready)
+        while t.reserved_at < 0:
+            t.wakeup = env.event()
+            yield t.wakeup
+        link = t.source.index
+        t.started = max(t.reserved_at, self._link_free[link])
+        t.done = t.started + self._latency + len(t.held) * self._block_seconds
+        self._link_free[link] = t.done
+        yield env.timeout(max(0.0, t.done - env.now))
+        src = t.source
+        src.interrupt_at(t.done)
+        src.scheduler.kv.gpu.free(reversed(t.held))
+        src.wake(t.done)                                 # it may have been blocked on these blocks
+        self._arrive(t)
+
+    def _queued_blocks(self, d: Replica) -> int:
+        bs = d.resolved.cache.block_size
+        return sum(-(-(len(t.prompt) - 1) // bs) for t in d.queue)
+
+    def _reserve(self, d: Replica, now: float) -> None:
+        """Start the queued transfers to `d` that its pool can now hold (FIFO)."""
+        kv = d.scheduler.kv
+        bs = d.resolved.cache.block_size
+        d.sync(now)                                      # its pool as of now
+        while d.queue:
+            t = d.queue[0]
+            need = -(-(len(t.prompt) - 1) // bs)         # the prompt's KV (the first token is computed there)
+            if not kv.can_admit(need):
+                break
+            d.interrupt_at(now)                          # a pending span must not see the pool shrink
+            d.queue.popleft()
+            t.reserved = kv.gpu.allocate(need)
+            t.reserved_at = now
+            w = t.wakeup
+            if w is not None and not w.triggered:
+                w.succeed()
+
+    def _arrive(self, t: Transfer) -> None:
+        d = t.target
+        d.interrupt_at(t.done)
+        i = t.index
+        kv = d.scheduler.kv
+        params = SamplingParams(max_tokens=d.max_tokens[i], ignore_eos=True)
+        tr = self.trace.requests[i]
+        request = Request(tr.request_id, t.prompt, params, arrival_time=t.done, eos_token_id=SIM_EOS_TOKEN_ID,
+                          user_data=i)
+        seq = request.seqs[0]
+        kv.find_cached_prefix(seq)                       # computes the prompt's block hashes
+        for block, h in zip(t.reserved, seq.block_hashes):
+            kv.gpu.register(block, h)
+        kv.gpu.free(reversed(t.reserved))                # cached, evictable: the tail first
+        t.request = request
+        self._in_flight -= 1
+        d.deliver(request, t.done)
+        self._reserve(d, t.done)
+        if self._in_flight == 0 and self._next >= len(self.arrivals):
+            for r in self.decode:
+                r.wake(t.done)
+
+    def _decode_after_step(self, d: Replica) -> None:
+        """Start transfers that now fit."""
+        if d.queue:
+            self._reserve(d, d.clock)
+
+    # -- result -----------------------------------------------------------------------------------
+    def _result(self) -> FleetResult:
+        n = len(self.trace.requests)
+        records = []
+        for i in range(n):
+            a, b = self.first_half[i], self.second_half[i]
+            if a is None:
+                raise RuntimeError(f"request {self.trace.requests[i].request_id} never finished its prefill")
+            if b is None:
+                if self.out_lens[i] > 1 and a.status != "rejected":
+                    raise RuntimeError(f"request {a.request_id} never finished its decode")
+                records.append(a)
+                continue
+            records.append(RequestRecord(
+                a.request_id, b.status, a.arrival_time, a.first_scheduled_time, a.first_token_time,
+                b.finished_time, a.num_prompt_tokens, a.num_output_tokens + b.num_output_tokens,
+                a.num_cached_prompt_tokens, a.num_preemptions + b.num_preemptions, a.num_swaps + b.num_swaps,
+                a.queue_time + b.queue_time, type(b.token_times)("d", [a.first_token_time, *b.token_times])))
+        self.records = records
+        per = []
+        for r in self.replicas:
+            idx = sorted(r.served)
+            halves = r.records
+            per.append(r.build_result([halves[i] for i in idx], [r.max_tokens[i] for i in idx]))
+        xs = self.transfers
+        extra = {"disaggregation": {
+            "prefill_replicas": self.dconfig.prefill, "decode_replicas": self.dconfig.decode,
+            "link": self.dconfig.link, "link_bandwidth_gbps": self.dconfig.bandwidth / 1e9,
+            "num_transfers": len(xs),
+            "transfer_blocks": sum(len(t.held) for t in xs),
+            "mean_transfer_time": sum(t.done - t.started for t in xs) / len(xs) if xs else 0.0,
+            "mean_wait_for_decode_memory": sum(t.reserved_at - t.ready for t in xs) / len(xs) if xs else 0.0,
+            "mean_wait_for_link": sum(t.started - t.reserved_at for t in xs) / len(xs) if xs else 0.0,
+        }}
+        cfg = FleetConfig(self.dconfig.replica, self.dconfig.prefill + self.dconfig.decode, self.dconfig.router)
+        return FleetResult(cfg, self.trace.source, records, self.out_lens, self.replica_of, per,
+                           max(r.clock for r in self.replicas), extra)
+
+
+def simulate_disagg(config: DisaggConfig, trace: Trace, *, progress: bool = False) -> FleetResult:
+    return DisaggFleet(config, trace, progress=progress).run()

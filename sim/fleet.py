@@ -1,0 +1,569 @@
+"""A fleet: N replicas of the same core on one SimPy clock, and a router in front.
+
+    result = simulate_fleet(FleetConfig(SimConfig(...), replicas=4, router="least-kv"), trace)
+
+Every replica is a full `SimEngine` (its own Scheduler, KV cache, prefix cache, executor,
+metrics); nothing is shared between replicas but the clock. A router process walks the
+trace and, at each arrival instant, asks the router policy (`policies.router`) which
+replica takes the request.
+
+What a router sees. At arrival time a, each replica is shown as it will be at its first
+step boundary at or after a (the state the request would meet there): a replica applies
+a normal step's results when the step starts (its end time is known then), and a replica
+in the middle of a skipped decode span commits the span's steps that start before a
+before the router reads its KV state (`Router.reads_kv`). Requests with equal arrival
+times are all routed before any replica starts a step at that instant. These rules make
+a replica with a router in front behave exactly like the single engine
+(`sim.engine.SimEngine`) when it sees the same arrivals (tested: a 1-replica fleet gives
+identical records), and the routing decisions independent of event skipping.
+
+Cost. Replicas skip steady decode spans as the single engine does, but a replica does
+not know its next arrival ahead of time: it plans a span up to its own horizon and is
+cut short (`Span.cut`) when a request is routed to it. So a replica pays for its own
+arrivals only, and a fleet of N replicas costs about N single replicas; routers that
+read KV state add one partial commit per replica and arrival.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import simpy
+
+from core import Request
+from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
+from core.metrics import summarize
+from policies import make as make_policy
+from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
+from sim.memory import SpanModel, sample as memory_sample
+from traces import Trace
+
+
+@dataclass
+class FleetConfig:
+    """N identical replicas behind a router (disaggregation: see sim.disagg)."""
+    replica: SimConfig = field(default_factory=SimConfig)
+    replicas: int = 1
+    router: str = "round-robin"
+
+    def validate(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        make_policy("router", self.router)
+        if self.router == "prefix-aware" and not self.replica.enable_prefix_caching:
+            raise ValueError("the prefix-aware router routes by cached prefixes: add --enable-prefix-caching")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.replicas * self.replica.tp
+
+
+class Span:
+    """A planned steady-decode span of one replica: step end times and KV blocks in use
+    per step, committed to the core in order, possibly in several pieces."""
+
+    __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut")
+
+    def __init__(self, start: float, durations: list[float], ends: list[float], used: list[int],
+                 model: SpanModel, counts: tuple[int, int, int]):
+        self.start, self.durations, self.ends, self.used = start, durations, ends, used
+        self.model, self.counts = model, counts
+        self.done = 0            # steps already applied to the core
+        self.cut: int | None = None
+
+    def steps_started_before(self, t: float) -> int:
+        if t <= self.start:
+            return 0
+        return min(len(self.ends), bisect_left(self.ends, t) + 1)
+
+    def end_of(self, k: int) -> float:
+        return self.ends[k - 1] if k else self.start
+
+
+class Replica(SimEngine):
+    """One engine of a fleet: requests arrive in its inbox when the router sends them."""
+
+    def __init__(self, index: int, resolved: ResolvedConfig, trace: Trace, env: simpy.Environment,
+                 fleet: "Fleet"):
+        super().__init__(resolved, trace)
+        if self._parents is not None:
+            raise ValueError("fleets do not run --multi-turn conversations (a turn must follow its "
+                             "conversation's replica); drop --multi-turn")
+        self.index = index
+        self.env = env
+        self.fleet = fleet
+        self.inbox: deque[Request] = deque()
+        self.served: list[int] = []           # trace indices routed here, in routing order
+        self._span: Span | None = None
+        self.process: simpy.Process | None = None
+        self.after_step = None                # callback(replica) after every step (sim.disagg)
+        self.before_update = None             # callback(out, end) before a step's update (sim.disagg)
+        self._woken_at = 0.0                  # exact time of the delivery that ended an idle wait
+
+    # -- what the router sees ----------------------------------------------------------
+    @property
+    def outstanding(self) -> int:
+        return len(self.scheduler.requests) + len(self.inbox)
+
+    @property
+    def kv_usage(self) -> float:
+        gpu = self.scheduler.kv.gpu
+        return gpu.num_used / gpu.num_blocks
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        kv = self.scheduler.kv
+        return len(kv.find_cached_prefix(request.seqs[0])) * kv.block_size if kv.enable_prefix_caching else 0
+
+    def sync(self, t: float) -> None:
+        """Apply the steps of a pending span that start before t (the router reads KV state)."""
+        span = self._span
+        if span is not None:
+            self._commit(span, max(span.done, span.steps_started_before(t)))
+
+    def deliver(self, request: Request, now: float) -> None:
+        """Take `request` at time `now` (the exact arrival time; SimPy's clock is `now` up to
+        rounding): it enters at this replica's next step boundary."""
+        self.sync(now)
+        self.inbox.append(request)
+        self.served.append(request.user_data)
+        span = self._span
+        if span is not None and span.cut is None:
+            span.cut = span.steps_started_before(now)
+            self.process.interrupt()
+        else:
+            self.wake(now)
+
+    def interrupt_at(self, t: float) -> None:
+        """Stop a pending span at the step boundary at or after t (something outside the
+        replica is about to change its KV pool, e.g. a KV transfer)."""
+        self.sync(t)
+        span = self._span
+        if span is not None and span.cut is None:
+            span.cut = span.done
+            self.process.interrupt()
+
+    def wake(self, t: float) -> None:
+        """End an idle or blocked wait at time t (exact)."""
+        if self._wake is not None and not self._wake.triggered:
+            self._woken_at = t
+            self._wake.succeed()
+
+    # -- the engine loop -----------------------------------------------------------------
+    def _intake_inbox(self) -> None:
+        inbox, add = self.inbox, self._add
+        while inbox:
+            add(inbox.popleft())
+
+    def _engine_process(self):
+        env, sched, ex, fleet = self.env, self.scheduler, self.executor, self.fleet
+        gpu = sched.kv.gpu
+        skipping = self.event_skipping
+        step_time, execute, update, schedule = ex.step_time, ex.execute_model, sched.update, sched.schedule
+        account, timeseries, mem_add = self._account, self.timeseries, self.memory.add
+        while True:
+            clock = self.clock
+            if fleet.arrival_pending(clock):       # route this instant's arrivals first
+                yield fleet.after_routing()
+                continue
+            if self.inbox:
+                self._intake_inbox()
+            if not sched.requests:
+                if not fleet.more_work_may_come(self):
+                    break
+                yield from self._wait(clock)
+                if not self.inbox and not sched.requests and not fleet.more_work_may_come(self):
+                    break
+                continue
+            out = schedule(clock)
+            dt = step_time(out)
+            if dt <= 0.0:
+                self._finish(update(out, _EMPTY_RESULT, clock).finished)
+                if sched.requests:
+                    # Nothing fits: blocks held for KV transfers (sim.disagg) come back
+                    # when a transfer ends, which wakes this replica.
+                    yield from self._wait(clock)
+                continue
+            result = execute(out)
+            used = gpu.num_used
+            running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
+            account(dt, used, running, waiting, swapped)
+            mem = memory_sample(sched)
+            mem_add(dt, mem)
+            timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
+                               out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            end = clock + dt
+            # Apply the step's results now: the router then sees this replica as it will
+            # be at the step's end (see the module docstring); stamps use `end`.
+            self.num_steps += 1
+            self.num_normal_steps += 1
+            if self.before_update is not None:
+                self.before_update(out, end)
+            self._finish(update(out, result, end).finished)
+            yield env.timeout(max(0.0, end - env.now))
+            self.clock = end
+            if self.after_step is not None:
+                self.after_step(self)
+            if skipping and sched.requests:
+                yield from self._skip()
+
+    def _wait(self, clock: float):
+        """Idle (or blocked) until something is delivered or freed; account the gap."""
+        sched, gpu = self.scheduler, self.scheduler.kv.gpu
+        used = gpu.num_used
+        counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
+        mem = memory_sample(sched)
+        self._wake = self.env.event()
+        yield self._wake
+        self._wake = None
+        woken = self._woken_at
+        dt = woken - clock
+        if dt > 0:
+            self._account(dt, used, *counts)
+            self.memory.add(dt, mem)
+            self.timeseries.append((clock, dt, 0, used, *counts, 0, 0, 0, *mem[:4]))
+            self.clock = woken
+
+    def _skip(self):
+        """Plan a steady-decode span to the horizon; commit it at its end, or up to the
+        step in progress when a request is routed here first."""
+        if self.inbox or self.fleet.arrival_pending(self.clock):
+            return                           # an arrival is due at this boundary
+        sched = self.scheduler
+        horizon = steady_decode_horizon(sched)
+        if horizon <= 0:
+            return
+        start = self.clock
+        num_seqs, context_sum = steady_decode_shape(sched)
+        durations = self.executor.decode_step_times(num_seqs, context_sum, horizon)
+        bs = self.resolved.cache.block_size
+        starts = [0] * bs
+        late: dict[int, int] = {}
+        tables = sched.kv.tables
+        for request in sched.running:
+            for seq in request.seqs:
+                j0 = len(tables[seq.seq_id]) * bs - seq.num_computed_tokens
+                if j0 < bs:
+                    starts[j0] += 1
+                else:
+                    late[j0] = late.get(j0, 0) + 1
+        used = sched.kv.gpu.num_used
+        used_at: list[int] = []
+        ends: list[float] = []
+        t = start
+        for i, dt in enumerate(durations):
+            if late and i in late:
+                starts[i % bs] += late.pop(i)
+            used += starts[i % bs]
+            used_at.append(used)
+            t = t + dt
+            ends.append(t)
+        span = Span(start, durations, ends, used_at, SpanModel(sched, num_seqs),
+                    (len(sched.running), len(sched.waiting), len(sched.swapped)))
+        self._span = span
+        try:
+            yield self.env.timeout(max(0.0, ends[-1] - self.env.now))
+        except simpy.Interrupt:
+            pass
+        self._span = None
+        k = len(ends) if span.cut is None else span.cut
+        self._commit(span, k)
+        if k < len(ends):
+            yield self.env.timeout(max(0.0, span.end_of(k) - self.env.now))
+        self.clock = span.end_of(k)
+        if self.after_step is not None:
+            self.after_step(self)
+
+    def _commit(self, span: Span, k: int) -> None:
+        """Apply steps [span.done, k) to the core, with their time-weighted accounting
+        (summed in step order, as the single engine does)."""
+        i0 = span.done
+        if k <= i0:
+            return
+        sched = self.scheduler
+        running, waiting, swapped = span.counts
+        durations, used_at, span_at, mem_add = span.durations, span.used, span.model.at, self.memory.add
+        mem_before = list(self.memory.w[:4])
+        w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
+        for i in range(i0, k):
+            dt, used = durations[i], used_at[i]
+            mem_add(dt, span_at(i, used))
+            w_used += used * dt
+            w_run += running * dt
+            w_wait += waiting * dt
+            w_swap += swapped * dt
+        piece_used = w_used - self._w_used
+        self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
+        if used_at[k - 1] > self._max_used:
+            self._max_used = used_at[k - 1]
+        t0 = span.end_of(i0)
+        length = span.end_of(k) - t0
+        mem_means = [(a - b) / length for a, b in zip(self.memory.w[:4], mem_before)]
+        num_seqs = span.model.n
+        self.timeseries.append((t0, length, k - i0, piece_used / length, running, waiting, swapped,
+                                num_seqs, num_seqs, 0, *mem_means))
+        result = fast_forward(sched, k - i0, span.ends[i0:k], self.executor.token_ids)
+        if sched.kv.gpu.num_used != used_at[k - 1]:
+            raise RuntimeError(f"replica {self.index}: KV usage {sched.kv.gpu.num_used} after a span, "
+                               f"expected {used_at[k - 1]}")
+        span.done = k
+        self.num_steps += k - i0
+        self._finish(result.finished)
+
+
+@dataclass
+class FleetResult:
+    """Per-replica results and the fleet's records (trace order)."""
+    config: FleetConfig
+    trace_source: str
+    records: list                          # RequestRecord per trace request
+    requested_output_lens: list[int]
+    replica_of: list[int]                  # replica index per trace request
+    replicas: list[SimResult]              # each over the requests it served
+    sim_time: float
+    extra: dict = field(default_factory=dict)   # e.g. sim.disagg's transfer statistics
+
+
+class Fleet:
+    """Replicas + router on one SimPy environment."""
+
+    def __init__(self, config: FleetConfig, trace: Trace, *, progress: bool = False,
+                 resolved: ResolvedConfig | None = None):
+        config.validate()
+        self.config = config
+        self.trace = trace
+        self.env = simpy.Environment()
+        resolved = resolved or resolve(config.replica)
+        self.replicas = [Replica(i, resolved, trace, self.env, self) for i in range(config.replicas)]
+        self.router = make_policy("router", config.router)
+        self.arrivals = [r.arrival_time for r in trace.requests]
+        self._next = 0                       # next trace request to route
+        self.records: list = [None] * len(trace.requests)
+        self.replica_of = [-1] * len(trace.requests)
+        self.progress = progress
+        self._waiting_for_routing: list[simpy.Event] = []
+        for r in self.replicas:
+            r.records = self.records         # replicas record into the fleet's list, trace order
+
+    # -- coordination with replicas ---------------------------------------------------------
+    def arrival_pending(self, t: float) -> bool:
+        """Is an arrival at or before t still to be routed?"""
+        return self._next < len(self.arrivals) and self.arrivals[self._next] <= t
+
+    def after_routing(self) -> simpy.Event:
+        """An event the router triggers once it has routed the arrivals now due."""
+        ev = self.env.event()
+        self._waiting_for_routing.append(ev)
+        return ev
+
+    def more_work_may_come(self, replica: Replica) -> bool:
+        return self._next < len(self.arrivals)
+
+    # -- routing --------------------------------------------------------------------------
+    def make_request(self, i: int) -> Request:
+        first = self.replicas[0]
+        request = first._make_request(i)
+        if i == 0:                           # token ids are relative to the run's first sequence
+            for r in self.replicas:
+                r.executor.seq_id_base = request.seqs[0].seq_id
+        return request
+
+    def route(self, request: Request, now: float) -> Replica:
+        replicas = self.replicas
+        if len(replicas) == 1:
+            return replicas[0]
+        if self.router.reads_kv:
+            for r in replicas:
+                r.sync(now)
+        return replicas[self.router.choose(request, replicas)]
+
+    def _router_process(self):
+        env, arrivals, n = self.env, self.arrivals, len(self.arrivals)
+        while self._next < n:
+            t = arrivals[self._next]        # exact: SimPy's now + (t - now) may round
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            while self._next < n and arrivals[self._next] <= t:
+                i = self._next
+                request = self.make_request(i)
+                target = self.route(request, t)
+                self.replica_of[i] = target.index
+                self._next = i + 1
+                target.deliver(request, t)
+            waiters, self._waiting_for_routing = self._waiting_for_routing, []
+            for ev in waiters:
+                ev.succeed()
+        for r in self.replicas:              # no more arrivals: let idle replicas stop
+            r.wake(t)
+
+    # -- run ------------------------------------------------------------------------------
+    def run(self) -> FleetResult:
+        pbar = None
+        if self.progress:
+            from tqdm import tqdm
+            pbar = tqdm(total=len(self.arrivals), unit="req", file=sys.stderr, delay=0.5, mininterval=0.5,
+                        dynamic_ncols=True, desc=f"fleet x{len(self.replicas)}")
+        for r in self.replicas:
+            r._pbar = pbar
+        try:
+            self.env.process(self._router_process())
+            procs = []
+            for r in self.replicas:
+                r.process = self.env.process(r._engine_process())
+                procs.append(r.process)
+            self.env.run(until=simpy.AllOf(self.env, procs))
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return self._result()
+
+    def _result(self) -> FleetResult:
+        lost = [self.trace.requests[i].request_id for i, r in enumerate(self.records) if r is None]
+        if lost:
+            raise RuntimeError(f"{len(lost)} requests never finished (first: {lost[:5]})")
+        per = []
+        for r in self.replicas:
+            idx = sorted(r.served)
+            per.append(r.build_result([self.records[i] for i in idx], [r.max_tokens[i] for i in idx]))
+        return FleetResult(self.config, self.trace.source, self.records, self.replicas[0].max_tokens,
+                           self.replica_of, per, max(r.clock for r in self.replicas))
+
+
+def simulate_fleet(config: FleetConfig, trace: Trace, *, progress: bool = False) -> FleetResult:
+    return Fleet(config, trace, progress=progress).run()
+
+
+# -- summaries --------------------------------------------------------------------------------
+def replica_summary(result: SimResult) -> dict:
+    """The per-replica block of a fleet summary."""
+    s = summarize(result.records)
+    return {
+        "num_requests": len(result.records), "completed": s["completed"], "rejected": s["rejected"],
+        "output_tokens": sum(r.num_output_tokens for r in result.records),
+        "mean_ttft": s["mean_ttft"], "p90_ttft": s["p90_ttft"], "mean_tpot": s["mean_tpot"],
+        "p90_tpot": s["p90_tpot"], "num_preemptions": result.num_preemptions,
+        "prefix_cache_hit_rate": result.kv_stats["prefix_cache_hit_rate"],
+        "kv_usage_mean": result.time_weighted["kv_usage_mean"], "kv_usage_max": result.time_weighted["kv_usage_max"],
+        "sim_time": result.sim_time, "num_steps": result.num_steps,
+    }
+
+
+def goodput(records, duration: float, slo_ttft: float, slo_tpot: float) -> int:
+    """Requests that finished meeting both SLOs (DistServe's goodput numerator); a
+    one-token request has no TPOT and is judged on TTFT alone."""
+    good = 0
+    for r in records:
+        if r.status in ("length", "stop") and r.ttft is not None and r.ttft <= slo_ttft:
+            tpot = r.tpot
+            if tpot is None or tpot <= slo_tpot:
+                good += 1
+    return good
+
+
+def fleet_summary(result: FleetResult, num_gpus: int | None = None,
+                  slo: tuple[float, float] | None = None) -> dict:
+    """summary.json of a fleet: the fleet's aggregates over all requests (same names as a
+    single run), fleet-wide counters, and one block per replica. `slo` = (TTFT, TPOT)
+    seconds adds goodput: requests meeting both per second, and per GPU."""
+    from sim.results import _clean
+    s = summarize(result.records)
+    s = {"num_requests": len(result.records), **s}
+    reps = result.replicas
+    s["num_preemptions"] = sum(r.num_preemptions for r in reps)
+    s["num_swaps"] = sum(r.num_swaps for r in reps)
+    dis = result.extra.get("disaggregation")
+    # Under disaggregation the decode side "hits" the KV handed over to it: count prompts
+    # where they are first looked up, on the prefill replicas.
+    looked_up = reps[:dis["prefill_replicas"]] if dis else reps
+    q = sum(r.kv_stats["prefix_cache_queries"] for r in looked_up)
+    h = sum(r.kv_stats["prefix_cache_hits"] for r in looked_up)
+    s["prefix_cache_queries"], s["prefix_cache_hits"] = q, h
+    s["prefix_cache_hit_rate"] = h / q if q else 0.0
+    s["kv_usage_mean"] = sum(r.time_weighted["kv_usage_mean"] * r.sim_time for r in reps) / \
+        max(1e-12, sum(r.sim_time for r in reps))
+    s["kv_usage_max"] = max(r.time_weighted["kv_usage_max"] for r in reps)
+    s["sim_time"] = result.sim_time
+    s["num_steps"] = sum(r.num_steps for r in reps)
+    slot_seconds = {c: sum(r.memory_breakdown["slot_seconds"][c] for r in reps)
+                    for c in reps[0].memory_breakdown["slot_seconds"]}
+    in_use = sum(v for c, v in slot_seconds.items() if c != "free")
+    s["memory_breakdown"] = {"shares": {c: (v / in_use if in_use > 0 else 0.0)
+                                        for c, v in slot_seconds.items() if c != "free"},
+                             "slot_seconds": slot_seconds}
+    phys = sum(r.kv_sharing["physical_block_seconds"] for r in reps)
+    logical = sum(r.kv_sharing["logical_block_seconds"] for r in reps)
+    s["kv_sharing"] = {"physical_block_seconds": phys, "logical_block_seconds": logical,
+                       "saving": 1.0 - phys / logical if logical > 0 else 0.0}
+    gpus = num_gpus if num_gpus is not None else result.config.num_gpus
+    s["num_gpus"] = gpus
+    s["request_throughput_per_gpu"] = s["request_throughput"] / gpus if gpus else None
+    if slo is not None:
+        good = goodput(result.records, s["duration"], *slo)
+        s["slo_ttft"], s["slo_tpot"] = slo
+        s["slo_attainment"] = good / len(result.records) if result.records else 0.0
+        s["goodput"] = good / s["duration"] if s["duration"] > 0 else 0.0
+        s["goodput_per_gpu"] = s["goodput"] / gpus if gpus else None
+    s["replicas"] = [replica_summary(r) for r in reps]
+    s.update(result.extra)
+    s["trace"] = result.trace_source
+    cfg = reps[0].config.echo()
+    cfg.update(replicas=result.config.replicas, router=result.config.router)
+    if dis:
+        cfg.update(disaggregate=f"{dis['prefill_replicas']}:{dis['decode_replicas']}", link=dis["link"])
+    s["config"] = cfg
+    return _clean(s)
+
+
+def write_fleet_results(result: FleetResult, out_dir, slo: tuple[float, float] | None = None) -> dict:
+    """requests.csv (one row per request, trace order, plus its `replica`), summary.json
+    (fleet_summary) and timeseries.csv (every replica's rows, tagged `replica`)."""
+    import csv
+    import json
+    from pathlib import Path
+    from sim.results import REQUEST_COLUMNS, request_row
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = fleet_summary(result, slo=slo)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out / "requests.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow((*REQUEST_COLUMNS, "replica"))
+        for rec, req_out, rep in zip(result.records, result.requested_output_lens, result.replica_of):
+            w.writerow(["" if v is None else v for v in request_row(rec, req_out)] + [rep])
+    with open(out / "timeseries.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow((*SimResult.TIMESERIES_COLUMNS, "replica"))
+        for i, rep in enumerate(result.replicas):
+            blocks = rep.config.cache.num_gpu_blocks
+            slots = blocks * rep.config.cache.block_size
+            for row in rep.timeseries:
+                w.writerow((row[0], row[1], row[2], row[3] / blocks) + row[4:10]
+                           + tuple(v / slots for v in row[10:]) + (i,))
+    return summary
+
+
+def format_fleet_summary(summary: dict) -> str:
+    """The single-run table for the fleet, then one line per replica."""
+    from sim.results import format_summary
+    lines = [format_summary(summary)]
+    c = summary["config"]
+    dis = summary.get("disaggregation")
+    head = (f"fleet        {dis['prefill_replicas']} prefill + {dis['decode_replicas']} decode replicas, "
+            f"{dis['link']} {dis['link_bandwidth_gbps']:g} GB/s; {dis['num_transfers']:,} KV transfers, mean "
+            f"{dis['mean_transfer_time'] * 1e3:.2f} ms (+ {dis['mean_wait_for_decode_memory'] * 1e3:.2f} ms waiting "
+            f"for decode memory, {dis['mean_wait_for_link'] * 1e3:.2f} ms for the link)" if dis else
+            f"fleet        {c['replicas']} replicas, router {c['router']}")
+    lines.append(head + f"; {summary['num_gpus']} GPUs, {summary['request_throughput_per_gpu']:.3f} req/s per GPU")
+    if "goodput" in summary:
+        lines.append(f"goodput      {summary['goodput']:.3f} req/s ({summary['goodput_per_gpu']:.3f} per GPU) meet "
+                     f"TTFT <= {summary['slo_ttft'] * 1e3:g} ms and TPOT <= {summary['slo_tpot'] * 1e3:g} ms "
+                     f"({summary['slo_attainment']:.1%} of requests)")
+    for i, r in enumerate(summary["replicas"]):
+        ttft = "-" if r["mean_ttft"] is None else f"{r['mean_ttft'] * 1e3:,.1f}"
+        tpot = "-" if r["mean_tpot"] is None else f"{r['mean_tpot'] * 1e3:,.1f}"
+        lines.append(f"  replica {i:<3} {r['num_requests']:>7,} req  TTFT mean {ttft:>8} ms  TPOT mean {tpot:>6} ms  "
+                     f"KV mean {r['kv_usage_mean']:.1%}  prefix hits {r['prefix_cache_hit_rate']:.1%}  "
+                     f"preempt {r['num_preemptions']:,}")
+    return "\n".join(lines)

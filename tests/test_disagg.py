@@ -1,0 +1,106 @@
+"""Prefill/decode disaggregation (sim.disagg): requests and blocks are conserved, no
+decode step runs before the request's KV has arrived, transfers wait for decode memory,
+results do not depend on event skipping."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+
+from sim import SimConfig
+from sim.disagg import LINKS, DisaggConfig, DisaggFleet, parse_split
+from sim.fleet import fleet_summary
+from traces import Trace, TraceRequest, load_trace, retime
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = SimConfig(model="Llama-3-8B", hardware="H100", num_gpu_blocks=300, max_num_seqs=16)
+
+
+def run(config: DisaggConfig, trace: Trace) -> tuple[DisaggFleet, object]:
+    fleet = DisaggFleet(config, trace)
+    return fleet, fleet.run()
+
+
+def check_invariants(fleet: DisaggFleet, result, trace: Trace) -> None:
+    n = len(trace.requests)
+    # every request finished exactly once, with its traced number of tokens
+    assert len(result.records) == n
+    for rec, tr in zip(result.records, trace.requests):
+        assert rec.status == "length"
+        assert rec.num_output_tokens == max(1, tr.output_len)
+        assert len(rec.token_times) == rec.num_output_tokens
+        assert list(rec.token_times) == sorted(rec.token_times)
+    # every multi-token request was transferred once, to a decode replica
+    multi = [i for i, tr in enumerate(trace.requests) if tr.output_len > 1]
+    assert sorted(t.index for t in fleet.transfers) == multi
+    for t in fleet.transfers:
+        second = fleet.second_half[t.index]
+        assert t.ready <= t.reserved_at <= t.started < t.done
+        # the decode side starts only once the KV is there
+        assert second.first_scheduled_time >= t.done
+        assert second.token_times[0] > t.done
+        assert result.records[t.index].first_token_time <= t.ready
+    # blocks: nothing held or reserved at the end, on either side
+    for r in fleet.replicas:
+        assert r.scheduler.kv.gpu.num_used == 0, f"replica {r.index} still holds blocks"
+        assert not r.scheduler.requests
+    for d in fleet.decode:
+        assert not d.queue
+
+
+def tiny_trace(lens: list[tuple[int, int]], gap: float) -> Trace:
+    return Trace([TraceRequest(f"r{i}", round(i * gap, 6), p, o) for i, (p, o) in enumerate(lens)], "synthetic")
+
+
+@given(st.lists(st.tuples(st.integers(1, 700), st.integers(1, 60)), min_size=1, max_size=25),
+       st.sampled_from([0.0, 0.01, 0.1]), st.integers(1, 2), st.integers(1, 2), st.sampled_from(list(LINKS)))
+def test_disaggregation_conserves_requests_and_blocks(lens, gap, p, d, link):
+    trace = tiny_trace(lens, gap)
+    fleet, result = run(DisaggConfig(SMALL, p, d, link), trace)
+    check_invariants(fleet, result, trace)
+
+
+def test_transfers_wait_for_decode_memory_and_skipping_changes_nothing():
+    # 40 long prompts at once into one small decode replica: transfers must queue for memory
+    trace = tiny_trace([(900, 40)] * 40, 0.0)
+    config = replace(SMALL, num_gpu_blocks=200)
+    fleets = [run(DisaggConfig(replace(config, event_skipping=s), 2, 1, "pcie"), trace) for s in (True, False)]
+    (fa, ra), (fb, rb) = fleets
+    check_invariants(fa, ra, trace)
+    assert ra.records == rb.records
+    waits = [t.reserved_at - t.ready for t in fa.transfers]
+    assert max(waits) > 0
+    # a transfer's duration is latency + blocks x block bytes / bandwidth, one at a time per link
+    bw, lat = LINKS["pcie"]
+    bb = fa.prefill[0].resolved.block_bytes
+    for t in fa.transfers:
+        assert t.done - t.started == pytest.approx(lat + len(t.held) * bb / bw)
+    by_link: dict[int, list] = {}
+    for t in fa.transfers:
+        by_link.setdefault(t.source.index, []).append((t.started, t.done))
+    for spans in by_link.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_disaggregated_summary_and_comparison_on_sharegpt():
+    trace = retime(load_trace(ROOT / "traces" / "sharegpt.json"), rate=10.0, num_requests=200)
+    fleet, result = run(DisaggConfig(SMALL, 1, 1, "nvlink", link_bandwidth_gbps=100.0), trace)
+    check_invariants(fleet, result, trace)
+    s = fleet_summary(result)
+    assert s["num_gpus"] == 2 and s["completed"] == 200
+    assert s["disaggregation"]["num_transfers"] == sum(tr.output_len > 1 for tr in trace.requests)
+    assert s["disaggregation"]["link_bandwidth_gbps"] == 100.0
+
+
+def test_bad_split():
+    assert parse_split("2:3") == (2, 3)
+    for bad in ("2", "a:b", "2-3"):
+        with pytest.raises(ValueError, match="P:D"):
+            parse_split(bad)
+    with pytest.raises(ValueError, match="P >= 1"):
+        DisaggConfig(SMALL, 0, 1).validate()
+    with pytest.raises(ValueError, match="unknown link"):
+        DisaggConfig(SMALL, 1, 1, "ethernet").validate()

@@ -1,0 +1,176 @@
+"""Fleets (sim.fleet) and routers (policies.router): the routers obey their definitions,
+a 1-replica fleet is the single engine, routing does not depend on event skipping, every
+request is served exactly once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+
+from core import Request, SamplingParams
+from policies import REGISTRY, make
+from policies.router import PrefixAwareRouter
+from sim import SimConfig, resolve, simulate
+from sim.fleet import FleetConfig, fleet_summary, simulate_fleet
+from traces import Trace, TraceRequest, load_trace, retime
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAREGPT = ROOT / "traces" / "sharegpt.json"
+SMALL = SimConfig(model="Llama-3-8B", hardware="H100", num_gpu_blocks=400, max_num_seqs=16)
+
+
+# --- the routers, on made-up replica views ----------------------------------------------------
+
+@dataclass
+class View:
+    outstanding: int
+    kv_usage: float
+    hit: int
+
+    def cached_prefix_tokens(self, request) -> int:
+        return self.hit
+
+
+views = st.lists(st.builds(View, st.integers(0, 20), st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]),
+                           st.sampled_from([0, 16, 32, 64])), min_size=1, max_size=6)
+REQ = Request("r", [1, 2, 3], SamplingParams(max_tokens=1))
+
+
+def test_routers_are_registered():
+    assert set(REGISTRY["router"]) == {"round-robin", "least-requests", "least-kv", "prefix-aware"}
+
+
+@given(st.integers(1, 6), st.lists(st.integers(0, 20), min_size=1, max_size=30))
+def test_round_robin_cycles_regardless_of_load(n, loads):
+    router = make("router", "round-robin")
+    picks = [router.choose(REQ, [View(load + j, 0.1 * j, 16 * j) for j in range(n)]) for load in loads]
+    assert picks == [i % n for i in range(len(loads))]
+
+
+@given(views)
+def test_least_requests_picks_the_first_least_loaded(vs):
+    i = make("router", "least-requests").choose(REQ, vs)
+    assert vs[i].outstanding == min(v.outstanding for v in vs)
+    assert all(v.outstanding > vs[i].outstanding for v in vs[:i])
+
+
+@given(views)
+def test_least_kv_picks_lowest_usage_then_fewest_requests(vs):
+    i = make("router", "least-kv").choose(REQ, vs)
+    best = min((v.kv_usage, v.outstanding) for v in vs)
+    assert (vs[i].kv_usage, vs[i].outstanding) == best
+    assert all((v.kv_usage, v.outstanding) > best for v in vs[:i])
+
+
+@given(views, st.integers(0, 10), st.sampled_from([1.0, 1.5, 3.0]))
+def test_prefix_aware_prefers_the_longest_cached_prefix_under_its_load_guard(vs, abs_t, rel_t):
+    router = PrefixAwareRouter(abs_threshold=abs_t, rel_threshold=rel_t)
+    i = router.choose(REQ, vs)
+    least = min(v.outstanding for v in vs)
+    longest = max(v.hit for v in vs)
+    holders = [v for v in vs if v.hit == longest]
+    best = min(v.outstanding for v in holders)      # among the longest holders, the least loaded
+    guard = best - least > abs_t and best > rel_t * least
+    if longest == 0 or guard:
+        assert vs[i].outstanding == least            # falls back to least-requests
+    else:
+        assert vs[i].hit == longest and vs[i].outstanding == best
+
+
+# --- fleets --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sharegpt():
+    return retime(load_trace(SHAREGPT), rate=40.0, num_requests=250)
+
+
+@pytest.mark.parametrize("skipping", [True, False])
+@pytest.mark.parametrize("settings", [{}, {"enable_prefix_caching": True, "preemption": "swap", "n": 2}])
+def test_one_replica_fleet_is_the_single_engine(sharegpt, skipping, settings):
+    config = replace(SMALL, event_skipping=skipping, **settings)
+    single = simulate(resolve(config), sharegpt)
+    for router in ("round-robin", "least-kv"):
+        fleet = simulate_fleet(FleetConfig(config, 1, router), sharegpt)
+        assert fleet.records == single.records
+        rep = fleet.replicas[0]
+        assert rep.time_weighted == single.time_weighted
+        assert rep.memory_breakdown == single.memory_breakdown
+        assert rep.num_preemptions == single.num_preemptions > 0 or not settings
+        assert rep.sim_time == single.sim_time
+
+
+def shared_prefix_trace(groups: list[int], gaps: list[float], prefix_blocks: int, out_len: int) -> Trace:
+    """Request i belongs to conversation groups[i]: all of a group's prompts start with the
+    same prefix_blocks * 16 token ids, then 8 ids of their own."""
+    reqs, t = [], 0.0
+    for i, (g, gap) in enumerate(zip(groups, gaps)):
+        t += gap
+        prompt = [1000 * (g + 1) + j for j in range(prefix_blocks * 16)] + [900_000 + 8 * i + j for j in range(8)]
+        reqs.append(TraceRequest(f"r{i}", round(t, 6), len(prompt), out_len, prompt_token_ids=prompt))
+    return Trace(reqs, "synthetic shared prefixes")
+
+
+fleet_cases = st.tuples(
+    st.integers(1, 3),                                             # replicas
+    st.lists(st.integers(0, 3), min_size=4, max_size=24),          # conversation of each request
+    st.floats(0.0, 0.2),                                           # mean gap
+    st.sampled_from(list(REGISTRY["router"])),
+)
+
+
+@given(fleet_cases)
+def test_fleet_serves_every_request_once_and_routing_ignores_event_skipping(case):
+    n, groups, gap, router = case
+    trace = shared_prefix_trace(groups, [gap * ((i * 7) % 3) for i in range(len(groups))], 4, 20)
+    config = replace(SMALL, enable_prefix_caching=True)
+    runs = [simulate_fleet(FleetConfig(replace(config, event_skipping=s), n, router), trace) for s in (True, False)]
+    skip, step = runs
+    assert skip.replica_of == step.replica_of
+    assert skip.records == step.records
+    counts = [0] * n
+    for r in skip.replica_of:
+        counts[r] += 1
+    assert [len(rep.records) for rep in skip.replicas] == counts
+    assert all(rec is not None and rec.status in ("length", "rejected") for rec in skip.records)
+    assert sum(rec.status == "length" for rec in skip.records) == len(trace.requests)
+    if router == "round-robin":
+        assert skip.replica_of == [i % n for i in range(len(trace.requests))]
+
+
+def test_prefix_aware_keeps_conversations_together_and_hits_more():
+    groups = [i % 3 for i in range(40)]   # 3 conversations, 4 replicas: round-robin scatters them
+    trace = shared_prefix_trace(groups, [0.05] * 40, 8, 30)
+    config = replace(SMALL, enable_prefix_caching=True)
+    results = {r: simulate_fleet(FleetConfig(config, 4, r), trace) for r in ("round-robin", "prefix-aware")}
+    pa = results["prefix-aware"]
+    # after its first request, every conversation stays on one replica (load is light)
+    for g in range(3):
+        assert len({pa.replica_of[i] for i in range(len(groups)) if groups[i] == g}) == 1
+    hit = {r: fleet_summary(res)["prefix_cache_hit_rate"] for r, res in results.items()}
+    assert hit["prefix-aware"] > hit["round-robin"]
+
+
+def test_least_requests_sees_the_fleet_as_of_each_arrival():
+    # 12 requests at once on 3 replicas: each takes 4 (outstanding counts as routed)
+    trace = shared_prefix_trace([0] * 12, [0.0] * 12, 1, 50)
+    res = simulate_fleet(FleetConfig(SMALL, 3, "least-requests"), trace)
+    assert res.replica_of == [0, 1, 2] * 4
+
+
+def test_fleet_summary_has_per_replica_blocks(sharegpt):
+    res = simulate_fleet(FleetConfig(SMALL, 2, "least-kv"), sharegpt)
+    s = fleet_summary(res)
+    assert len(s["replicas"]) == 2 and s["num_gpus"] == 2
+    assert sum(r["num_requests"] for r in s["replicas"]) == s["num_requests"] == len(sharegpt.requests)
+    assert s["config"]["router"] == "least-kv" and s["config"]["replicas"] == 2
+
+
+def test_bad_fleet_settings_are_rejected():
+    with pytest.raises(ValueError, match="replicas"):
+        FleetConfig(SMALL, 0).validate()
+    with pytest.raises(ValueError, match="unknown router"):
+        FleetConfig(SMALL, 2, "random").validate()
+    with pytest.raises(ValueError, match="prefix-caching"):
+        FleetConfig(SMALL, 2, "prefix-aware").validate()
