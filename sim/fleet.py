@@ -283,12 +283,12 @@ class Replica(SimEngine):
             return
         sched = self.scheduler
         running, waiting, swapped = span.counts
-        durations, used_at, span_at, mem_add = span.durations, span.used, span.model.at, self.memory.add
+        durations, used_at = span.durations, span.used
         mem_before = list(self.memory.w[:4])
+        span.model.accumulate(self.memory.w, durations, used_at, i0, k)
         w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
         for i in range(i0, k):
             dt, used = durations[i], used_at[i]
-            mem_add(dt, span_at(i, used))
             w_used += used * dt
             w_run += running * dt
             w_wait += waiting * dt
