@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             steps = sum(r.num_steps for r in fleet.replicas)
             normal = sum(r.num_normal_steps for r in fleet.replicas)
             ratio = f"  {wall / skip_wall:.2f}x one replica's wall" if "skip" in modes else ""
-            print(f"{name[:15] + ' fleet':<22} x{args.fleet:<4} {len(fast):>8,} {out_tokens:>11,} {steps:>9,} "
+            label = f"{name[:3]} {args.fleet} replicas"
+            print(f"{label:<22} {args.fleet}x   {len(fast):>8,} {out_tokens:>11,} {steps:>9,} "
                   f"{normal:>8,} {wall:>7.2f} {out_tokens / wall:>10,.0f} {'':>9}{ratio}", flush=True)
         print(f"{'':<22} (trace load {load_s:.2f} s)")
         if args.profile:
