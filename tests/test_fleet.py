@@ -174,3 +174,25 @@ def test_bad_fleet_settings_are_rejected():
         FleetConfig(SMALL, 2, "random").validate()
     with pytest.raises(ValueError, match="prefix-caching"):
         FleetConfig(SMALL, 2, "prefix-aware").validate()
+
+
+def test_cli_fleet_and_disaggregated_runs_write_fleet_results(tmp_path, capsys):
+    import csv
+    import json
+    from sim.cli import main as cli_main
+    common = ["run", str(SHAREGPT), "--model", "Llama-3-8B", "--hardware", "H100", "--num-requests", "60",
+              "--rate", "20", "--quiet", "--slo-ttft", "1", "--slo-tpot", "0.1"]
+    assert cli_main(common + ["--replicas", "3", "--router", "least-requests", "--out", str(tmp_path / "f")]) == 0
+    s = json.loads((tmp_path / "f" / "summary.json").read_text())
+    rows = list(csv.DictReader(open(tmp_path / "f" / "requests.csv")))
+    assert len(rows) == 60 and {r["replica"] for r in rows} == {"0", "1", "2"}
+    assert s["num_gpus"] == 3 and len(s["replicas"]) == 3 and 0 < s["goodput"] <= s["request_throughput"]
+    assert cli_main(common + ["--disaggregate", "1:2", "--link", "pcie", "--out", str(tmp_path / "d")]) == 0
+    s = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert s["config"]["disaggregate"] == "1:2" and s["disaggregation"]["link"] == "pcie" and s["num_gpus"] == 3
+    assert "KV transfers" in capsys.readouterr().out
+    for bad, msg in ((["--disaggregate", "2"], "P:D"), (["--replicas", "2", "--router", "prefix-aware"], "prefix"),
+                     (["--slo-ttft", "1"], "goodput")):
+        args = [a for a in common if a not in ("--slo-ttft", "--slo-tpot", "1", "0.1")] + bad
+        assert cli_main(args + ["--out", str(tmp_path / "x")]) == 2
+        assert msg in capsys.readouterr().err
