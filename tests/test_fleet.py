@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from core import Request, SamplingParams
 from policies import REGISTRY, make
@@ -33,6 +33,7 @@ class View:
         return self.hit
 
 
+CHEAP = settings(max_examples=min(settings().max_examples, 500))
 views = st.lists(st.builds(View, st.integers(0, 20), st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]),
                            st.sampled_from([0, 16, 32, 64])), min_size=1, max_size=6)
 REQ = Request("r", [1, 2, 3], SamplingParams(max_tokens=1))
@@ -42,6 +43,7 @@ def test_routers_are_registered():
     assert set(REGISTRY["router"]) == {"round-robin", "least-requests", "least-kv", "prefix-aware"}
 
 
+@CHEAP
 @given(st.integers(1, 6), st.lists(st.integers(0, 20), min_size=1, max_size=30))
 def test_round_robin_cycles_regardless_of_load(n, loads):
     router = make("router", "round-robin")
@@ -49,6 +51,7 @@ def test_round_robin_cycles_regardless_of_load(n, loads):
     assert picks == [i % n for i in range(len(loads))]
 
 
+@CHEAP
 @given(views)
 def test_least_requests_picks_the_first_least_loaded(vs):
     i = make("router", "least-requests").choose(REQ, vs)
@@ -56,6 +59,7 @@ def test_least_requests_picks_the_first_least_loaded(vs):
     assert all(v.outstanding > vs[i].outstanding for v in vs[:i])
 
 
+@CHEAP
 @given(views)
 def test_least_kv_picks_lowest_usage_then_fewest_requests(vs):
     i = make("router", "least-kv").choose(REQ, vs)
@@ -64,6 +68,7 @@ def test_least_kv_picks_lowest_usage_then_fewest_requests(vs):
     assert all((v.kv_usage, v.outstanding) > best for v in vs[:i])
 
 
+@CHEAP
 @given(views, st.integers(0, 10), st.sampled_from([1.0, 1.5, 3.0]))
 def test_prefix_aware_prefers_the_longest_cached_prefix_under_its_load_guard(vs, abs_t, rel_t):
     router = PrefixAwareRouter(abs_threshold=abs_t, rel_threshold=rel_t)
@@ -83,7 +88,7 @@ def test_prefix_aware_prefers_the_longest_cached_prefix_under_its_load_guard(vs,
 
 @pytest.fixture(scope="module")
 def sharegpt():
-    return retime(load_trace(SHAREGPT), rate=40.0, num_requests=250)
+    return retime(load_trace(SHAREGPT), rate=40.0, num_requests=150)
 
 
 @pytest.mark.parametrize("skipping", [True, False])
@@ -120,6 +125,7 @@ fleet_cases = st.tuples(
 )
 
 
+@settings(max_examples=min(settings().max_examples, 300))   # each example is two simulations
 @given(fleet_cases)
 def test_fleet_serves_every_request_once_and_routing_ignores_event_skipping(case):
     n, groups, gap, router = case
