@@ -76,7 +76,7 @@ class Span:
         sched = replica.scheduler
         self.start = self._t = replica.clock
         self.horizon = horizon
-        self._num_seqs, self._context_sum = sched.steady_decode_shape()
+        self._num_seqs, self._context_sum = steady_decode_shape(sched)
         self._price = replica.executor.decode_step_times
         # A sequence with c cached tokens and a table of b blocks takes a new block at steps
         # j0 = b * block_size - c, j0 + block_size, ... (as sim.engine's span accounting).
