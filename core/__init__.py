@@ -9,7 +9,8 @@ from core.block_hash import block_hasher, register_block_hasher
 from core.kv_cache_manager import KVCacheManager, SwapSpaceExhaustedError
 from core.request import Request, RequestStatus, Sequence
 from core.sampling_params import InvalidRequestError, SamplingParams
-from core.scheduler import ModelRunnerOutput, ScheduledSeq, Scheduler, SchedulerOutput, StepResult
+from core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, StepResult
+from core.scheduler import Scheduler
 
 __all__ = [
     "CacheConfig", "SchedulerConfig", "EngineCore", "Executor", "KVCacheManager", "SwapSpaceExhaustedError",

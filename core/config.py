@@ -4,6 +4,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.block_hash import block_hasher
+# Defaults both backends derive the same way (the simulator's `resolve`, the real engine).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """The step's token budget when none is given: chunked prefill splits long prompts, so a
+    fixed budget works; without it one step must hold a whole max_model_len prompt."""
+    if enable_chunked_prefill:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+
+
+def default_max_model_len(model_max_len: int, num_gpu_blocks: int, block_size: int, cap: int | None = None) -> int:
+    """max_model_len when none is given: the model's context, capped at what the KV cache
+    holds (one sequence must fit), and at `cap` if the backend sets one."""
+    length = min(model_max_len, num_gpu_blocks * block_size)
+    return length if cap is None else min(length, cap)
 
 
 @dataclass

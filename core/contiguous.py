@@ -16,7 +16,8 @@ import bisect
 from typing import Callable
 
 from core.block_pool import BlockPool, NoFreeBlocksError
-from core.kv_cache_manager import KVCacheManager
+from core.kv_cache_manager import SwapSpaceExhaustedError
+from core.kv_interface import KVCacheStats
 from core.request import Request, RequestStatus, Sequence
 
 # How many token slots a sequence reserves, given its request.
@@ -36,6 +37,10 @@ class ContiguousBlockPool(BlockPool):
     @property
     def num_free(self) -> int:
         return self._num_free
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Free runs as [start, end) block ranges, in address order."""
+        return [(s, self._ends[s]) for s in self._starts]
 
     def largest_gap(self) -> int:
         return max((self._ends[s] - s for s in self._starts), default=0)
@@ -95,53 +100,89 @@ class ContiguousBlockPool(BlockPool):
         self._ends[s] = e
 
 
-class ContiguousKVCacheManager(KVCacheManager):
+class ContiguousKVCacheManager:
+    """Implements `core.kv_interface.KVManager` with one contiguous region per sequence."""
+
+    enable_prefix_caching = False
+    watermark_blocks = 0        # a region covers its sequence's whole life: nothing grows later
+
     def __init__(self, block_size: int, num_gpu_blocks: int, reserve: ReservationRule, max_model_len: int):
-        super().__init__(block_size, num_gpu_blocks, 0, enable_prefix_caching=False, watermark=0.0)
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
         self.gpu = ContiguousBlockPool(num_gpu_blocks)
+        self.cpu = BlockPool(0, None, "cpu")               # no swapping
         self.reserve = reserve
         self.max_model_len = max_model_len
-        self._spares: dict[str, list[list[int]]] = {}      # request id -> unused regions
-        self._pending_regions: list[int] = []               # set by blocks_needed for can_admit
+        self.tables: dict[int, list[int]] = {}              # seq_id -> its region's block ids
+        self.cpu_tables: dict[int, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self._spares: dict[str, list[list[int]]] = {}       # request id -> reserved, unused regions
+        self.prefix_queries = 0
 
     def _region_blocks(self, request: Request) -> int:
         tokens = min(max(self.reserve(request, self.max_model_len), 1), self.max_model_len)
         return -(-tokens // self.block_size)
 
+    def _regions_to_reserve(self, seq: Sequence) -> list[int]:
+        """Region sizes a first allocation for `seq` reserves: before the fork, one per
+        sequence the request may hold (the spares are what its children fork into)."""
+        request = seq.request
+        k = request.params.num_seqs_max if not request._forked else 1
+        return [self._region_blocks(request)] * k
+
+    def _fits_plan(self, plan) -> bool:
+        sizes = []
+        for seq, n, *_ in plan:
+            table = self.tables.get(seq.seq_id)
+            if table is None:
+                sizes += self._regions_to_reserve(seq)
+            elif seq.num_computed_tokens + n > len(table) * self.block_size:
+                return False                                 # a region never grows
+        return self.gpu.fits(sizes)
+
+    # -- admission ------------------------------------------------------------------------
     def worst_case_blocks(self, request: Request, max_model_len: int) -> int:
         return request.params.num_seqs_max * self._region_blocks(request)
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached=()) -> int:
-        table = self.tables.get(seq.seq_id)
-        if table is not None:
-            extra = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-            return max(extra, 0)
-        r = self._region_blocks(seq.request)
-        k = seq.request.params.num_seqs_max if not seq.request._forked else 1
-        self._pending_regions = [r] * k
-        return r * k
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        return []
 
-    def can_admit(self, num_blocks: int) -> bool:
-        regions, self._pending_regions = self._pending_regions, []
-        if regions and sum(regions) == num_blocks:
-            return self.gpu.fits(regions)
-        return num_blocks <= self.gpu.num_free
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
 
+    def can_admit(self, plan, keep_watermark: bool = True) -> bool:   # no watermark: see above
+        return self._fits_plan(plan)
+
+    # -- allocation -----------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached=()) -> bool:
         table = self.tables.get(seq.seq_id)
         end = seq.num_computed_tokens + num_new_tokens
         if table is not None:
             return end <= len(table) * self.block_size     # a region never grows
-        request = seq.request
-        r = self._region_blocks(request)
-        k = request.params.num_seqs_max if not request._forked else 1
-        if r * self.block_size < end or not self.gpu.fits([r] * k):
+        sizes = self._regions_to_reserve(seq)
+        if sizes[0] * self.block_size < end or not self.gpu.fits(sizes):
             return False
-        regions = [self.gpu.allocate(r) for _ in range(k)]
+        regions = [self.gpu.allocate(r) for r in sizes]
         self.tables[seq.seq_id] = regions[0]
-        if k > 1:
-            self._spares.setdefault(request.request_id, []).extend(regions[1:])
+        if len(regions) > 1:
+            self._spares.setdefault(seq.request.request_id, []).extend(regions[1:])
         return True
+
+    def allocate_group(self, plan: list[tuple[Sequence, int]]) -> bool:
+        if not self._fits_plan(plan):
+            return False
+        for seq, n in plan:
+            ok = self.allocate_slots(seq, n)
+            assert ok, "group allocation failed after a successful capacity check"
+        return True
+
+    def decode_table(self, seq: Sequence) -> list[int] | None:
+        table = self.tables[seq.seq_id]
+        return table if seq.num_computed_tokens < len(table) * self.block_size else None
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         spares = self._spares.get(parent.request.request_id)
@@ -168,12 +209,45 @@ class ContiguousKVCacheManager(KVCacheManager):
         for region in self._spares.pop(request.request_id, []):
             self.gpu.free(region)
 
+    def spare_regions(self) -> list[list[int]]:
+        """Regions reserved for forks that have not happened yet."""
+        return [r for regions in self._spares.values() for r in regions]
+
+    def drain_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # -- no swapping (the scheduler recomputes instead) ------------------------------------------
     def can_swap_out(self, seqs) -> bool:
         return False
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        return []
+    def can_swap_in(self, seqs, keep_watermark: bool = True) -> bool:
+        return False
 
+    def swap_out(self, seqs):
+        raise SwapSpaceExhaustedError("contiguous allocation has no swap space")
+
+    def swap_in(self, seqs):
+        raise SwapSpaceExhaustedError("contiguous allocation has no swap space")
+
+    # -- steady decode spans -----------------------------------------------------------------
+    def writes_into_shared_block(self, seqs: list[Sequence]) -> bool:
+        return False                                        # no sharing: a fork copies
+
+    def blocks_to_grow(self, seqs: list[Sequence], num_steps: int) -> int:
+        slots = self.block_size
+        for s in seqs:
+            if s.num_computed_tokens + num_steps > len(self.tables[s.seq_id]) * slots:
+                return self.gpu.num_blocks + 1              # past a region's end: impossible
+        return 0
+
+    def free_blocks(self, evicting: bool = True) -> int:
+        return self.gpu.num_free
+
+    def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
+        """Nothing to allocate: the regions already cover the span (`blocks_to_grow` is 0)."""
+
+    # -- introspection ------------------------------------------------------------------------
     def memory_breakdown(self, running: list[Request], waiting_head: Request | None) -> dict[str, int]:
         bs = self.block_size
         tokens = reserved = internal = 0
@@ -202,3 +276,9 @@ class ContiguousKVCacheManager(KVCacheManager):
                 external = free          # free memory exists, but no gap can take the request
         return {"token_states": tokens, "reserved": reserved, "internal_frag": internal,
                 "external_frag": external, "free": free - external}
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_gpu_blocks=self.gpu.num_blocks, num_used_gpu_blocks=self.gpu.num_used, num_cached_gpu_blocks=0,
+            num_cpu_blocks=0, num_used_cpu_blocks=0, prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=0, num_evictions=0)

@@ -5,7 +5,8 @@ import itertools
 from typing import Callable, Protocol
 
 from core.request import Request
-from core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput, StepResult
+from core.outputs import ModelRunnerOutput, SchedulerOutput, StepResult
+from core.scheduler import Scheduler
 
 
 class Executor(Protocol):
@@ -45,7 +46,7 @@ class EngineCore:
         """Step until every request has left the engine; returns them in finish order."""
         finished: list[Request] = []
         steps = 0
-        while self.scheduler.has_unfinished_requests() or self.scheduler._finished:
+        while self.scheduler.has_unfinished_requests() or self.scheduler.has_unreported_finishes:
             finished.extend(self.step().finished)
             steps += 1
             if max_steps is not None and steps >= max_steps:

@@ -1,4 +1,5 @@
-"""The block manager: per-sequence block tables over a GPU pool and a CPU swap pool.
+"""The paged block manager: per-sequence block tables over a GPU pool and a CPU swap pool.
+Implements `core.kv_interface.KVManager`.
 
 Protocol with the scheduler, per step:
   * `allocate_slots(seq, n)` makes the sequence's table cover `num_computed_tokens + n`
@@ -12,36 +13,17 @@ Protocol with the scheduler, per step:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from core.block_hash import DEFAULT_HASH_ALGO, block_hasher
 from core.block_pool import BlockPool
+from core.kv_interface import KVCacheStats
 from core.policy_api import Evictor
-from core.request import Sequence
+from core.request import Request, Sequence
 
 
 class SwapSpaceExhaustedError(RuntimeError):
     """The CPU swap pool cannot hold a sequence group; the scheduler recomputes instead."""
 
 
-@dataclass
-class KVCacheStats:
-    num_gpu_blocks: int
-    num_used_gpu_blocks: int
-    num_cached_gpu_blocks: int
-    num_cpu_blocks: int
-    num_used_cpu_blocks: int
-    prefix_cache_queries: int      # prompt tokens looked up
-    prefix_cache_hits: int         # of which found cached
-    num_evictions: int
-
-    @property
-    def gpu_usage(self) -> float:
-        return self.num_used_gpu_blocks / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class KVCacheManager:
@@ -64,6 +46,8 @@ class KVCacheManager:
         self.hash_block = block_hasher(hash_algo)    # chained over parent key, tokens, salt (core/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockPool(num_gpu_blocks, evictor if enable_prefix_caching else None, "gpu")
+        self._gpu_ref_cnt = self.gpu.ref_cnt          # the pool's list (never replaced): one lookup on the hot path
+        self._last_offset = block_size - 1            # a token here fills its block
         self.cpu = BlockPool(num_cpu_blocks, None, "cpu")
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.tables: dict[int, list[int]] = {}       # seq_id -> GPU block ids
@@ -118,9 +102,30 @@ class KVCacheManager:
         revived = sum(1 for b in cached if self.gpu.ref_cnt[b] == 0) if cached else 0
         return max(need, 0) + revived
 
-    def can_admit(self, num_blocks: int) -> bool:
+    def can_admit(self, plan: list[tuple[Sequence, int, list[int]]], keep_watermark: bool = True) -> bool:
+        """Could this new work be allocated now, leaving the watermark free (unless told
+        not to: with nothing running there is no growth to protect)? A cached block that
+        several of the plan's sequences revive (beams after a recompute share their
+        prefix) leaves the free pool once, so it is counted once."""
+        ref_cnt = self.gpu.ref_cnt
+        revived: set[int] = set()
+        num_blocks = 0
+        for seq, n, cached in plan:
+            num_blocks += self.blocks_needed(seq, n, cached)
+            if cached:
+                dead = [b for b in cached if ref_cnt[b] == 0]
+                num_blocks -= sum(1 for b in dead if b in revived)
+                revived.update(dead)
+        if not keep_watermark:
+            return self.gpu.num_free >= num_blocks
+        return self._leaves_watermark(num_blocks)
+
+    def _leaves_watermark(self, num_blocks: int) -> bool:
         """New work must leave the watermark free, so running sequences can still grow."""
         return self.gpu.num_free - num_blocks >= self.watermark_blocks
+
+    def free_blocks(self, evicting: bool = True) -> int:
+        return self.gpu.num_free if evicting else self.gpu.num_uncached_free
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
@@ -165,6 +170,31 @@ class KVCacheManager:
                 self._num_registered[seq.seq_id] = full
         return True
 
+    def allocate_group(self, plan: list[tuple[Sequence, int]]) -> bool:
+        if len(plan) == 1:
+            seq, n = plan[0]
+            return self.allocate_slots(seq, n)
+        # All or nothing across the group (the per-sequence estimate is conservative).
+        if sum(self.blocks_needed(seq, n) for seq, n in plan) > self.gpu.num_free:
+            return False
+        for seq, n in plan:
+            ok = self.allocate_slots(seq, n)
+            assert ok, "group allocation failed after a successful capacity check"
+        return True
+
+    def decode_table(self, seq: Sequence) -> list[int] | None:
+        # One more token that neither starts a block, nor fills one (nothing to publish),
+        # nor lands in a shared block.
+        offset = seq.num_computed_tokens % self.block_size
+        if offset and offset != self._last_offset:
+            table = self.tables[seq.seq_id]
+            if self._gpu_ref_cnt[table[-1]] == 1:
+                return table
+        return None
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (refcount +1 each)."""
         table = self.tables[parent.seq_id]
@@ -195,9 +225,9 @@ class KVCacheManager:
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return self._distinct_blocks([self.tables.get(s.seq_id, ()) for s in seqs]) <= self.cpu.num_free
 
-    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+    def can_swap_in(self, seqs: list[Sequence], keep_watermark: bool = True) -> bool:
         need = self._distinct_blocks([self.cpu_tables.get(s.seq_id, ()) for s in seqs])
-        return self.can_admit(need)
+        return self._leaves_watermark(need) if keep_watermark else self.gpu.num_free >= need
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move the group's blocks to the CPU pool; returns (gpu_block, cpu_block) copies."""
@@ -237,17 +267,64 @@ class KVCacheManager:
             src_pool.free(reversed(src))
         return list(mapping.items())
 
-    def worst_case_blocks(self, request, max_model_len: int) -> int:
+    def worst_case_blocks(self, request: Request, max_model_len: int) -> int:
         """Blocks the request could hold at once if it ran alone to its end (no sharing)."""
         max_tokens = request.params.max_tokens
         longest = max_model_len if max_tokens is None else min(request.num_prompt_tokens + max_tokens, max_model_len)
         return request.params.num_seqs_max * -(-longest // self.block_size)
 
-    def release_request(self, request) -> None:
+    def release_request(self, request: Request) -> None:
         """A request left the GPU (finished or recomputed): drop per-request state (none here)."""
 
+    # -- steady decode spans (core.event_skipping) -----------------------------------------
+    def writes_into_shared_block(self, seqs: list[Sequence]) -> bool:
+        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+        return any(s.num_computed_tokens % bs and ref[tables[s.seq_id][-1]] > 1 for s in seqs)
+
+    def blocks_to_grow(self, seqs: list[Sequence], num_steps: int) -> int:
+        bs, tables = self.block_size, self.tables
+        return sum(max(0, -(-(s.num_computed_tokens + num_steps) // bs) - len(tables[s.seq_id])) for s in seqs)
+
+    def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
+        bs, gpu, tables = self.block_size, self.gpu, self.tables
+        caching = self.enable_prefix_caching
+        # Step j computes position c + j of each sequence: it needs a new block when that
+        # position starts one, and publishes a block when c + j + 1 fills one.
+        events: list[list[tuple[Sequence, bool]]] = [[] for _ in range(bs)]
+        for seq in seqs:
+            c = seq.num_computed_tokens
+            events[(-c) % bs].append((seq, True))
+            if caching:
+                events[(-c - 1) % bs].append((seq, False))
+        if not caching:
+            # Only allocations: one bulk allocate per step hands out the same ids, in the
+            # same order, as the per-sequence allocations of a single step.
+            for j in range(num_steps):
+                needy = [tables[seq.seq_id] for seq, _ in events[j % bs]
+                         if len(tables[seq.seq_id]) * bs <= seq.num_computed_tokens + j]
+                if needy:
+                    for table, block in zip(needy, gpu.allocate(len(needy))):
+                        table.append(block)
+            return
+        order = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        for ev in events:
+            ev.sort(key=lambda e: order[e[0].seq_id])
+        registered = self._num_registered
+        for j in range(num_steps):
+            for seq, is_alloc in events[j % bs]:
+                table = tables[seq.seq_id]
+                if is_alloc:
+                    if len(table) * bs <= seq.num_computed_tokens + j:
+                        table.extend(gpu.allocate(1))
+                else:
+                    full = (seq.num_computed_tokens + j + 1) // bs
+                    hashes = self._extend_hashes(seq, full)
+                    for i in range(registered[seq.seq_id], full):
+                        gpu.register(table[i], hashes[i])
+                    registered[seq.seq_id] = full
+
     # -- introspection ------------------------------------------------------------------
-    def memory_breakdown(self, running, waiting_head=None) -> dict[str, int]:
+    def memory_breakdown(self, running: list[Request], waiting_head: Request | None = None) -> dict[str, int]:
         """Where the GPU KV slots are now (the vLLM paper's Figure 2 categories), in slots.
 
         Paged memory reserves nothing ahead and has no external fragmentation; its only
@@ -273,7 +350,6 @@ class KVCacheManager:
         internal += sum(bs - f for f in fill.values())
         return {"token_states": self.gpu.num_used * bs - internal, "reserved": 0, "internal_frag": internal,
                 "external_frag": 0, "free": self.gpu.num_free * bs}
-
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(

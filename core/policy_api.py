@@ -4,9 +4,11 @@ The core only depends on these small protocols; `policies/` depends on the core.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 if TYPE_CHECKING:
+    from core.config import CacheConfig
+    from core.kv_interface import KVManager
     from core.request import Request
 
 
@@ -56,6 +58,14 @@ class VictimPolicy(Protocol):
     def select(self, candidates: list["Request"]) -> "Request": ...
 
 
+class AllocationPolicy(Protocol):
+    """How KV memory is handed out: builds the scheduler's KV manager."""
+    name: str
+
+    def make_kv_manager(self, cache: "CacheConfig", max_model_len: int,
+                        evictor: "Callable[[], Evictor]") -> "KVManager": ...
+
+
 class PolicyBundle(Protocol):
     """What the Scheduler is built with (policies.PolicySet is the implementation)."""
 
@@ -64,3 +74,4 @@ class PolicyBundle(Protocol):
     victim: VictimPolicy
 
     def eviction(self) -> Evictor: ...
+    def make_kv_manager(self, cache: "CacheConfig", max_model_len: int) -> "KVManager": ...

@@ -1,4 +1,4 @@
-"""Iteration-level (continuous-batching) scheduler over the paged KV cache.
+"""Iteration-level (continuous-batching) scheduler over a KV memory manager.
 
 Each `schedule()` builds one step's batch under a token budget and a sequence budget:
   1. running requests, oldest first (decodes and continuing chunked prefills); when the
@@ -12,84 +12,27 @@ finish and free. A step's token accounting is vLLM v1's unified view: a sequence
 computes a slice of the rest; it samples when that slice reaches the end.
 
 The core has no clock: callers pass `now` to stamp metrics.
+
+Around it: the step's value types in `core.outputs` (re-exported here), the one stop
+check in `core.stop`, beam search as a pure planner in `core.beam_search` (this module
+applies its plans), the KV manager behind `core.kv_interface.KVManager` (built by the
+allocation policy), and the simulator's event skipping in `core.event_skipping`.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
 
-from core.beam_search import beam_step, finalize_beams
+from core.beam_search import BeamPlan, finalize_beams, plan_beam_step
 from core.config import CacheConfig, SchedulerConfig
-from core.contiguous import ContiguousKVCacheManager
-from core.kv_cache_manager import KVCacheManager
+from core.kv_interface import KVManager
+from core.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, StepResult
 from core.policy_api import PolicyBundle
 from core.request import Request, RequestStatus, Sequence
-from core.step_message import ModelRunnerOutput  # noqa: F401  (the executor's reply; re-exported)
+from core.stop import stop_status
+
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "ModelRunnerOutput", "StepResult"]
 
 RUNNING = RequestStatus.RUNNING
-
-
-class ScheduledSeq:
-    """One sequence's work in a step: compute tokens [start, start + num_tokens)."""
-
-    __slots__ = ("seq", "start", "num_tokens", "num_samples", "block_table")
-
-    def __init__(self, seq: Sequence, start: int, num_tokens: int, num_samples: int, block_table: list[int]):
-        self.seq = seq
-        self.start = start
-        self.num_tokens = num_tokens
-        self.num_samples = num_samples      # 0: mid-prefill chunk, nothing to sample
-        self.block_table = block_table      # the manager's live list: read it, never mutate
-
-    @property
-    def seq_id(self) -> int:
-        return self.seq.seq_id
-
-    @property
-    def request(self) -> Request:
-        return self.seq.request
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_tokens]
-
-    @property
-    def context_len(self) -> int:
-        """Tokens already in the cache before this step."""
-        return self.start
-
-    def __repr__(self) -> str:
-        return (f"ScheduledSeq(seq={self.seq.seq_id}, tokens=[{self.start}, {self.start + self.num_tokens}), "
-                f"samples={self.num_samples})")
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    num_prefill_tokens: int = 0          # tokens of slices longer than one token
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst) on GPU
-    preempted: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)
-    # Requests that left the engine since the previous step (runners drop their state).
-    finished_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.scheduled)
-
-
-@dataclass
-class StepResult:
-    updated: list[Request]       # requests that produced tokens this step
-    finished: list[Request]      # requests that left the engine (finished, aborted, rejected)
 
 
 class Scheduler:
@@ -99,17 +42,7 @@ class Scheduler:
         self.config = config
         self.cache_config = cache_config
         self.policies = policies
-        reservation = getattr(policies, "reservation", None)
-        if reservation is None:        # paged allocation (the point of this project)
-            self.kv = KVCacheManager(
-                cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
-                enable_prefix_caching=cache_config.enable_prefix_caching,
-                evictor=policies.eviction() if cache_config.enable_prefix_caching else None,
-                watermark=cache_config.watermark, hash_algo=cache_config.prefix_caching_hash_algo,
-            )
-        else:                          # a contiguous-reservation baseline (Orca-*)
-            self.kv = ContiguousKVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks,
-                                               reservation, config.max_model_len)
+        self.kv: KVManager = policies.make_kv_manager(cache_config, config.max_model_len)
         self.waiting = policies.queue.make_queue()
         if hasattr(self.waiting, "bind"):
             self.waiting.bind(self.kv)          # cache-aware orders (lpm) look up prefixes
@@ -212,6 +145,11 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def has_unreported_finishes(self) -> bool:
+        """Requests left the engine (e.g. aborted) that no `update()` has reported yet."""
+        return bool(self._finished)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
@@ -237,23 +175,21 @@ class Scheduler:
         running = self.running
         preempted = False
 
-        bs = self.cache_config.block_size
-        ref = self.kv.gpu.ref_cnt
-        tables = self.kv.tables
+        decode_table = self.kv.decode_table
         scheduled = out.scheduled
         decodes = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             seqs = request.seqs
-            if len(seqs) == 1 and not request.params.beam_width:
-                # Fast path: a single-sequence decode that neither needs a new block, nor
-                # fills one (nothing to publish), nor writes into a shared block.
+            params = request.params
+            if len(seqs) == 1 and not params.beam_width:
+                # Fast path: a single-sequence decode that the manager can take as is.
                 seq = seqs[0]
                 c = seq.num_computed_tokens
-                if len(seq.token_ids) - c == 1 and c % bs and (c + 1) % bs:
-                    table = tables[seq.seq_id]
-                    if ref[table[-1]] == 1 and (request._forked or request.params.n == 1):
+                if len(seq.token_ids) - c == 1 and (params.n == 1 or request._forked):
+                    table = decode_table(seq)
+                    if table is not None:
                         scheduled.append(ScheduledSeq(seq, c, 1, 1, table))
                         seq.num_computed_tokens = c + 1
                         decodes += 1
@@ -264,7 +200,7 @@ class Scheduler:
             if not plan:
                 i += 1
                 continue
-            while not self._allocate(plan):
+            while not self.kv.allocate_group(plan):
                 victim = self.policies.victim.select(running[i:])
                 self._preempt(victim, out, now)
                 preempted = True
@@ -328,22 +264,9 @@ class Scheduler:
                 budget -= n
         return plan
 
-    def _allocate(self, plan: list[tuple[Sequence, int]]) -> bool:
-        kv = self.kv
-        if len(plan) == 1:
-            seq, n = plan[0]
-            return kv.allocate_slots(seq, n)
-        # All or nothing across the group (the per-sequence estimate is conservative).
-        if sum(kv.blocks_needed(seq, n) for seq, n in plan) > kv.gpu.num_free:
-            return False
-        for seq, n in plan:
-            ok = kv.allocate_slots(seq, n)
-            assert ok, "group allocation failed after a successful capacity check"
-        return True
-
     def _commit(self, request: Request, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> int:
         """Record the planned slices in the step output and advance computed counts."""
-        tables = self.kv.tables
+        block_table = self.kv.block_table
         params = request.params
         scheduled = out.scheduled
         total = 0
@@ -358,7 +281,7 @@ class Scheduler:
                     samples = params.n
                 else:
                     samples = 1
-            scheduled.append(ScheduledSeq(seq, start, n, samples, tables[seq.seq_id]))
+            scheduled.append(ScheduledSeq(seq, start, n, samples, block_table(seq)))
             seq.num_computed_tokens = end
             total += n
             if n > 1:
@@ -396,7 +319,7 @@ class Scheduler:
         kv = self.kv
         while self.swapped and budget > 0:
             request = self.swapped[0]
-            if not kv.can_swap_in(request.seqs):
+            if not kv.can_swap_in(request.seqs, keep_watermark=bool(self.running)):   # idle: see _try_admission
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(kv.swap_in(request.seqs))
@@ -405,13 +328,13 @@ class Scheduler:
                 seq.status = RUNNING
             self.running.append(request)
             plan = self._plan(request, budget)
-            if plan and self._allocate(plan):
+            if plan and self.kv.allocate_group(plan):
                 budget -= self._commit(request, plan, out)
         return budget
 
     def _admission_plan(self, request: Request, budget: int):
-        """(plan, prefix hits per seq id, blocks needed) for admitting `request` now. Sets each
-        sequence's num_computed_tokens to its cached prefix; callers that do not admit reset it."""
+        """(plan, prefix hits per seq id) for admitting `request` now. Sets each sequence's
+        num_computed_tokens to its cached prefix; callers that do not admit reset it."""
         kv, bs = self.kv, self.cache_config.block_size
         hits = {}
         for seq in request.seqs:        # several after a multi-sequence recompute
@@ -428,22 +351,44 @@ class Scheduler:
                     break
                 plan.append((seq, n))
                 left -= n
-        need = sum(kv.blocks_needed(seq, n, hits[seq.seq_id]) for seq, n in plan)
-        return plan, hits, need
+        return plan, hits
+
+    def _try_admission(self, request: Request, budget: int):
+        """(plan, hits) if the next admission of `request` fits now, else None (and the
+        request's sequences are left as they were: nothing computed)."""
+        if self._seq_slots + request.params.num_seqs_max > self.config.max_num_seqs:
+            return None
+        plan, hits = self._admission_plan(request, budget)
+        # The watermark keeps room for running sequences to grow; an idle engine has none to
+        # protect, and keeping it then could strand a request that fits the pool (liveness).
+        idle = not self.running and not self.swapped
+        if plan and self.kv.can_admit([(seq, n, hits[seq.seq_id]) for seq, n in plan], keep_watermark=not idle):
+            return plan, hits
+        for seq in request.seqs:
+            seq.num_computed_tokens = 0
+        return None
+
+    def admits_next(self, token_budget: int) -> bool:
+        """Would admission now take the waiting queue's head, with `token_budget` tokens
+        left in the step? No side effects beyond caching block hashes."""
+        if not len(self.waiting) or token_budget <= 0:
+            return False
+        request = self.waiting.peek()
+        if self._try_admission(request, token_budget) is None:
+            return False
+        for seq in request.seqs:
+            seq.num_computed_tokens = 0
+        return True
 
     def _admit(self, budget: int, out: SchedulerOutput, now: float) -> None:
-        kv, cfg, bs = self.kv, self.config, self.cache_config.block_size
+        kv, bs = self.kv, self.cache_config.block_size
         waiting = self.waiting
         while len(waiting) and budget > 0:
             request = waiting.peek()
-            slots = request.params.num_seqs_max
-            if self._seq_slots + slots > cfg.max_num_seqs:
+            admission = self._try_admission(request, budget)
+            if admission is None:
                 break
-            plan, hits, need = self._admission_plan(request, budget)
-            if not plan or not kv.can_admit(need):
-                for seq in request.seqs:
-                    seq.num_computed_tokens = 0
-                break
+            plan, hits = admission
             waiting.pop()
             planned = {seq.seq_id for seq, _ in plan}
             for seq in request.seqs:
@@ -457,7 +402,7 @@ class Scheduler:
             for seq in request.seqs:
                 seq.status = RUNNING
             request.status = RUNNING
-            self._seq_slots += slots
+            self._seq_slots += request.params.num_seqs_max
             self.running.append(request)
             out.admitted.append(request)
             m = request.metrics
@@ -475,9 +420,10 @@ class Scheduler:
         logprobs = result.logprobs
         top = result.top_logprobs
         updated: list[Request] = []
-        beam_batch: dict[int, list[ScheduledSeq]] = {}
+        beam_batch: dict[int, list[Sequence]] = {}
         last_request = None
         max_len = self.config.max_model_len
+        no_logprobs = top is None and logprobs is None
         for s in out.scheduled:
             if not s.num_samples:
                 continue
@@ -485,22 +431,20 @@ class Scheduler:
             request = seq.request
             if request.status is not RUNNING or seq.status is not RUNNING:
                 continue
-            if request.params.beam_width:
-                beam_batch.setdefault(id(request), []).append(s)
+            params = request.params
+            if params.beam_width:
+                beam_batch.setdefault(id(request), []).append(seq)
                 continue
             toks = token_ids[seq.seq_id]
-            if s.num_samples == 1 and top is None and logprobs is None:
-                # Common path: one token, no logprobs; stop checks inline.
+            if no_logprobs and s.num_samples == 1:
+                # Common path: one token, no logprobs.
                 tok = toks[0]
-                seq.token_ids.append(tok)
-                params = request.params
-                num_out = len(seq.token_ids) - seq.num_prompt_tokens
-                if (params.max_tokens is not None and num_out >= params.max_tokens) or \
-                        (tok == request.eos_token_id and not params.ignore_eos) or \
-                        tok in params.stop_token_ids or len(seq.token_ids) >= max_len:
-                    status = self.stop_status(seq, tok)
-                    if status is not None:
-                        self._finish_seq(seq, status)
+                tokens = seq.token_ids
+                tokens.append(tok)
+                n = len(tokens)
+                status = stop_status(params, request.eos_token_id, tok, n - seq.num_prompt_tokens, n, max_len)
+                if status is not None:
+                    self._finish_seq(seq, status)
                 if request is not last_request:
                     updated.append(request)
                     last_request = request
@@ -523,9 +467,9 @@ class Scheduler:
             if request is not last_request:
                 updated.append(request)
                 last_request = request
-        for group in beam_batch.values():
-            request = group[0].seq.request
-            beam_step(request, group, token_ids, logprobs, self)
+        for beams in beam_batch.values():
+            request = beams[0].request
+            self._apply_beam_plan(request, plan_beam_step(request, beams, token_ids, logprobs, max_len))
             updated.append(request)
         for request in updated:
             m = request.metrics
@@ -554,179 +498,36 @@ class Scheduler:
             if seq.output_logprobs is None:
                 seq.output_logprobs = []
             seq.output_logprobs.append(top)
-        status = self.stop_status(seq, token)
+        n = len(seq.token_ids)
+        status = stop_status(params, request.eos_token_id, token, n - seq.num_prompt_tokens, n,
+                             self.config.max_model_len)
         if status is not None:
             self._finish_seq(seq, status)
 
-    def stop_status(self, seq: Sequence, token: int) -> RequestStatus | None:
-        request = seq.request
-        params = request.params
-        num_out = len(seq.token_ids) - seq.num_prompt_tokens
-        if num_out >= params.min_tokens:
-            if (token == request.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or \
-                len(seq.token_ids) >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    # -- event skipping (used by the simulator) ---------------------------------------------
-    def steady_decode_horizon(self) -> int:
-        """How many upcoming steps, run one by one, would each schedule exactly one decode
-        token for every running sequence with no admission, swap, preemption, copy-on-write
-        or finish. 0 when the engine is not in such a steady state. Call between steps.
-
-        Admission during the span is ruled out by checking the queue's head once: with a
-        shrinking free pool the head stays inadmissible as long as the cache contents it
-        sees do not change. They change in two ways. New entries: assumed harmless (as the
-        simulator guarantees, a waiting prompt never contains the tokens running sequences
-        are generating). Evictions: they can shorten a waiting request's prefix hits (which
-        can lower its block demand) and reorder a cache-aware queue (lpm), so while a
-        request waits under prefix caching the span only uses blocks that evict nothing.
-        """
-        running = self.running
-        if not running or self._finished:
-            return 0
-        cfg, kv, bs = self.config, self.kv, self.cache_config.block_size
-        ref = kv.gpu.ref_cnt
-        tables = kv.tables
-        horizon = cfg.max_model_len
-        num_seqs = 0
-        for request in running:
-            params = request.params
-            if params.beam_width or not params.ignore_eos or params.stop_token_ids or \
-                    (params.n > 1 and not request._forked):
-                return 0
-            for seq in request.seqs:
-                n = len(seq.token_ids)
-                c = seq.num_computed_tokens
-                if n - c != 1:
-                    return 0
-                if c % bs and ref[tables[seq.seq_id][-1]] > 1:
-                    return 0                          # the next step copies on write
-                left = cfg.max_model_len - n
-                if params.max_tokens is not None:
-                    left = min(left, params.max_tokens - (n - seq.num_prompt_tokens))
-                if left - 1 < horizon:
-                    horizon = left - 1                # the step that finishes is run normally
-                num_seqs += 1
-        if horizon <= 0 or num_seqs > cfg.max_num_batched_tokens:
-            return 0
-        if self.swapped and kv.can_swap_in(self.swapped[0].seqs):
-            return 0
-        if not self.swapped and len(self.waiting) and self._admissible(self.waiting.peek(), num_seqs):
-            return 0
-        # Largest k whose block growth fits the free pool (growth is monotone in k).
-        seqs = [seq for r in running for seq in r.seqs]
-        free = kv.gpu.num_free
-        if kv.enable_prefix_caching and len(self.waiting) and not self.swapped:
-            free = kv.gpu.num_uncached_free
-
-        def blocks_for(k: int) -> int:
-            return sum(max(0, -(-(s.num_computed_tokens + k) // bs) - len(tables[s.seq_id])) for s in seqs)
-
-        if blocks_for(horizon) <= free:
-            return horizon
-        lo, hi = 0, horizon                           # blocks_for(lo) fits, blocks_for(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if blocks_for(mid) <= free:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def _admissible(self, request: Request, num_running_seqs: int) -> bool:
-        """Would the next schedule() admit `request` (given the running batch)? No side effects
-        beyond caching block hashes."""
-        cfg, kv, bs = self.config, self.kv, self.cache_config.block_size
-        if self._seq_slots + request.params.num_seqs_max > cfg.max_num_seqs:
-            return False
-        left = cfg.max_num_batched_tokens - num_running_seqs
-        if left <= 0:
-            return False
-        plan, _, need = self._admission_plan(request, left)
-        for seq in request.seqs:
-            seq.num_computed_tokens = 0
-        return bool(plan) and kv.can_admit(need)
-
-    def memory_breakdown(self) -> dict[str, int]:
-        """KV slots by category now: token_states, reserved, internal_frag, external_frag, free."""
-        head = self.waiting.peek() if len(self.waiting) else None
-        return self.kv.memory_breakdown(self.running, head)
-
-    def steady_decode_shape(self) -> tuple[int, int]:
-        """(num_seqs, sum of cached tokens) of the next steady decode step."""
-        num, ctx = 0, 0
-        for request in self.running:
-            for seq in request.seqs:
-                num += 1
-                ctx += seq.num_computed_tokens
-        return num, ctx
-
-    def fast_forward(self, k: int, step_end_times: list[float],
-                     token_fn: Callable[[Sequence, int, int], list[int]]) -> StepResult:
-        """Apply k steady decode steps at once (k <= steady_decode_horizon()).
-
-        Blocks are allocated and published in exactly the order k single steps would use
-        (step by step, running order), so eviction and cache state match; per-token work
-        is a list extend. token_fn(seq, first_position, count) gives the sampled tokens.
-        """
-        if k <= 0:
-            return StepResult(updated=[], finished=[])
-        kv, bs = self.kv, self.cache_config.block_size
-        gpu, tables = kv.gpu, kv.tables
-        caching = kv.enable_prefix_caching
-        seqs = [seq for r in self.running for seq in r.seqs]
-        # Step j computes position c + j of each sequence: it needs a new block when that
-        # position starts one, and publishes a block when c + j + 1 fills one.
-        events: list[list[tuple[Sequence, bool]]] = [[] for _ in range(bs)]
-        for seq in seqs:
-            c = seq.num_computed_tokens
-            events[(-c) % bs].append((seq, True))
-            if caching:
-                events[(-c - 1) % bs].append((seq, False))
-        if caching:
-            order = {seq.seq_id: i for i, seq in enumerate(seqs)}
-            for ev in events:
-                ev.sort(key=lambda e: order[e[0].seq_id])
-        for seq in seqs:
-            n = len(seq.token_ids)
-            seq.token_ids.extend(token_fn(seq, n, k))
-        registered = kv._num_registered
-        if not caching:
-            # Only allocations: one bulk allocate per step hands out the same ids, in the
-            # same order, as the per-sequence allocations of a single step.
-            for j in range(k):
-                needy = [tables[seq.seq_id] for seq, _ in events[j % bs]
-                         if len(tables[seq.seq_id]) * bs <= seq.num_computed_tokens + j]
-                if needy:
-                    for table, block in zip(needy, gpu.allocate(len(needy))):
-                        table.append(block)
-            k_done = k
-        else:
-            k_done = 0
-        for j in range(k_done, k):
-            for seq, is_alloc in events[j % bs]:
-                table = tables[seq.seq_id]
-                if is_alloc:
-                    if len(table) * bs <= seq.num_computed_tokens + j:   # reservations may cover it
-                        table.extend(gpu.allocate(1))
-                else:
-                    full = (seq.num_computed_tokens + j + 1) // bs
-                    hashes = kv._extend_hashes(seq, full)
-                    for i in range(registered[seq.seq_id], full):
-                        gpu.register(table[i], hashes[i])
-                    registered[seq.seq_id] = full
-        for seq in seqs:
-            seq.num_computed_tokens += k
-        times = step_end_times[:k]
-        last = times[-1]
-        for request in self.running:
-            m = request.metrics
-            if m.first_token_time is None:        # the span's first step ended a prefill
-                m.first_token_time = times[0]
-            m.token_times.extend(times)
-            m.last_token_time = last
-        self.num_steps += k
-        return StepResult(updated=list(self.running), finished=[])
+    def _apply_beam_plan(self, request: Request, plan: BeamPlan) -> None:
+        request.finished_seqs.extend(plan.hypotheses)
+        request._forked = True
+        kv = self.kv
+        children = plan.extensions
+        for seq in list(request.seqs):
+            if seq.seq_id not in children:
+                kv.free(seq)                       # pruned beam: its private blocks go back first
+                request.seqs.remove(seq)
+        for seq in list(request.seqs):
+            kids = children[seq.seq_id]
+            for tok, lp in kids[1:]:
+                child = seq.fork()
+                kv.fork(seq, child)
+                child.token_ids.append(tok)
+                child.cum_logprob += lp
+                request.seqs.append(child)
+            tok, lp = kids[0]
+            seq.token_ids.append(tok)
+            seq.cum_logprob += lp
+        if plan.finish_live is not None:
+            for seq in list(request.seqs):
+                self._finish_seq(seq, plan.finish_live)
+        elif plan.drop_live:
+            for seq in request.seqs:               # cannot win: drop without adding hypotheses
+                kv.free(seq)
+            request.seqs.clear()

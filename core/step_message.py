@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from core.outputs import ModelRunnerOutput  # noqa: F401  (the executor's reply travels with the message types)
+
 
 @dataclass(slots=True)
 class NewRequest:
@@ -72,20 +74,6 @@ class StepMessage:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_ids)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What an executor returns for the sequences that sampled (num_samples > 0).
-
-    token_ids[seq_id]: num_samples tokens (n > 1 before the fork: one per child; beam
-    search: the beam's best candidates, best first). logprobs aligned with token_ids
-    (required for beam search). top_logprobs: per token, {token_id: logprob} of the
-    top-k alternatives when a request asks for logprobs.
-    """
-    token_ids: dict[int, list[int]]
-    logprobs: dict[int, list[float]] | None = None
-    top_logprobs: dict[int, list[dict[int, float]]] | None = None
 
 
 def params_to_plain(params) -> dict:

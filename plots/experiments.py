@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = "traces/sharegpt.json"
 DEPLOYMENT = ["--model", "OPT-13B", "--hardware", "A100-40G"]
 ALLOCATIONS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
+SETTING = "ShareGPT, OPT-13B on A100-40G"      # the workload and deployment, for the titles
 LATENCY_BOUND = 0.1          # s/token: a few times the unloaded ~0.025 s/token
 
 SCALES = {
@@ -113,31 +114,31 @@ def draw_allocation(results: Path, out: Path) -> list[Path]:
     shares = {p: summaries[p]["memory_breakdown"]["shares"] for p in ALLOCATIONS}
     paths = [
         figures.latency_vs_rate(rows, out / "latency_vs_rate_allocation.png", bound=LATENCY_BOUND,
-                                title="ShareGPT, OPT-13B on A100-40G: paged vs contiguous KV"),
+                                title=f"Paged vs contiguous KV allocation\n{SETTING}"),
         figures.memory_breakdown(shares, out / "memory_breakdown_allocation.png",
-                                 title=f"KV memory in use, time-averaged (ShareGPT, OPT-13B, {rate:g} req/s)"),
+                                 title=f"KV memory in use, time-averaged ({SETTING}, {rate:g} req/s)"),
         figures.memory_over_time(focus, out / "memory_over_time_allocation.png",
-                                 title=f"Where the KV memory goes over time: % of all KV slots ({rate:g} req/s)"),
+                                 title=f"KV memory over time, % of all slots ({SETTING}, {rate:g} req/s)"),
     ]
     for p in ("paged", "orca-oracle"):
         paths.append(figures.usage_over_time(focus[p], out / f"usage_over_time_{p}.png",
-                                             title=f"KV cache usage and queues: {p} (ShareGPT, OPT-13B, {rate:g} req/s)"))
+                                             title=f"KV cache usage and queues: {p} ({SETTING}, {rate:g} req/s)"))
     samples = {p: {m: [r[m] for r in requests[p] if isinstance(r.get(m), float)] for m in ("ttft", "tpot")}
                for p in ALLOCATIONS}
     paths.append(figures.latency_cdfs(samples, out / "latency_cdfs_allocation.png",
-                                      title=f"Latency CDFs at {rate:g} req/s (ShareGPT, OPT-13B)"))
+                                      title=f"Latency CDFs at {rate:g} req/s ({SETTING})"))
     return paths
 
 
 def draw_sharing(results: Path, out: Path) -> list[Path]:
     rows = figures.read_csv(Path(results) / "sharing.csv")
     return [figures.sharing_savings(rows, Path(out) / "sharing_savings.png",
-                                    title="KV blocks saved by sharing (ShareGPT, OPT-13B)")]
+                                    title=f"KV blocks saved by sharing ({SETTING})")]
 
 
 def draw_shared_prefix(results: Path, out: Path) -> list[Path]:
     rows, styles = [], {}
-    colors = ("#1565c0", "#c62828", "#2e7d32", "#6a1b9a")
+    colors = figures.PALETTE
     paths = sorted(Path(results).glob("shared_prefix_*.csv"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
     for k, path in enumerate(paths):
         length = int(path.stem.rsplit("_", 1)[1])
@@ -147,7 +148,7 @@ def draw_shared_prefix(results: Path, out: Path) -> list[Path]:
             styles[r["policy"]] = {"color": colors[k % len(colors)], "linestyle": "-" if cached else "--"}
             rows.append(r)
     return [figures.latency_vs_rate(rows, Path(out) / "latency_vs_rate_shared_prefix.png", bound=LATENCY_BOUND,
-                                    styles=styles, title="Shared system prompt (ShareGPT, OPT-13B): prefix caching")]
+                                    styles=styles, title=f"Shared system prompt, prefix caching on/off\n{SETTING}")]
 
 
 DRAWERS = {"allocation": draw_allocation, "sharing": draw_sharing, "shared_prefix": draw_shared_prefix}

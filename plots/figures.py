@@ -14,11 +14,34 @@ import matplotlib
 matplotlib.use("Agg")            # headless: CI and notebooks without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+# Okabe & Ito's colour-blind-safe palette (yellow last: weak on white), with a marker per
+# series so that lines stay apart in greyscale too.
+OKABE_ITO = {"blue": "#0072B2", "vermillion": "#D55E00", "green": "#009E73", "orange": "#E69F00",
+             "purple": "#CC79A7", "sky": "#56B4E9", "yellow": "#F0E442", "black": "#000000"}
+PALETTE = ("#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#000000", "#F0E442")
+MARKERS = ("o", "s", "D", "v", "P", "X", "<", ">")
+
 BREAKDOWN_ORDER = ("token_states", "reserved", "internal_frag", "external_frag")
 BREAKDOWN_LABELS = {"token_states": "Token states", "reserved": "Reservation",
                     "internal_frag": "Internal fragmentation", "external_frag": "External fragmentation"}
-BREAKDOWN_COLORS = {"token_states": "#2e7d32", "reserved": "#fbc02d", "internal_frag": "#ef6c00",
-                    "external_frag": "#c62828"}
+BREAKDOWN_COLORS = {"token_states": OKABE_ITO["green"], "reserved": OKABE_ITO["yellow"],
+                    "internal_frag": OKABE_ITO["orange"], "external_frag": OKABE_ITO["vermillion"]}
+BREAKDOWN_TEXT = {"token_states": "white", "reserved": "black", "internal_frag": "black", "external_frag": "white"}
+CDF_PERCENTILE = 99    # latency CDFs cut their x axis here when the tail beyond it
+OUTLIER_STRETCH = 1.5  # would stretch the axis more than this factor (one outlier squashing the rest)
+
+
+def series_style(i: int) -> dict:
+    """Colour and marker of the i-th series."""
+    return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)]}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (q in [0, 100]) of an ascending list."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def read_csv(path: str | Path) -> list[dict]:
@@ -49,29 +72,47 @@ def latency_vs_rate(rows: Iterable[Mapping], out: str | Path, *, metric: str = "
                     bound: float | None = None, styles: Mapping[str, Mapping] | None = None) -> Path:
     """One line per policy: `metric` against `rate` (the vLLM paper's Figure 12 style).
     `bound`: a dashed line at that latency; the y axis then stops at 6x the bound (as the
-    paper's plots stop short of the overloaded tail) unless `ymax` says otherwise.
+    paper's plots stop short of the overloaded tail) unless `ymax` says otherwise. Points
+    above the axis are drawn as open triangles on its top edge, labelled with their value.
     `styles`: extra matplotlib line properties per series name (color, linestyle, ...)."""
     series: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         if r.get(metric) in (None, ""):
             continue
         series.setdefault(str(r[group]), []).append((float(r["rate"]), float(r[metric])))
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, pts in series.items():
+    if bound is not None and ymax is None:
+        ymax = 6 * bound
+    fig, ax = plt.subplots(figsize=(7.6, 4.4))
+    off_chart: dict[float, int] = {}          # labels already stacked under the top edge at each x
+    for i, (name, pts) in enumerate(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, **(styles or {}).get(name, {}))
+        style = {**series_style(i), **(styles or {}).get(name, {})}
+        inside = [k for k, (_, y) in enumerate(pts) if ymax is None or y <= ymax]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, markersize=6, markevery=inside, **style)
+        # the line is clipped at the axes, its markers are not (half-cut markers on the edges)
+        ax.plot([pts[k][0] for k in inside], [pts[k][1] for k in inside], linestyle="none", marker=style["marker"],
+                color=style["color"], markersize=6, clip_on=False, zorder=3)
+        for x, y in pts:
+            if ymax is not None and y > ymax:   # off the chart: an open triangle on the top edge
+                ax.plot([x], [ymax], linestyle="none", marker="^", markersize=7, markerfacecolor="white",
+                        color=style["color"], clip_on=False, zorder=4)
+                below = off_chart[x] = off_chart.get(x, 0) + 1
+                ax.annotate(f"{y:.3g}", (x, ymax), textcoords="offset points", xytext=(0, -2 - 9 * below),
+                            ha="center", fontsize=7, color=style["color"], zorder=5,
+                            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none",
+                                  "alpha": 0.85})
     if bound is not None:
-        ax.axhline(bound, color="grey", linestyle="--", linewidth=1, label=f"bound {bound:g} s/token")
-        if ymax is None:
-            ymax = 6 * bound
+        ax.axhline(bound, color="grey", linestyle="--", linewidth=1, label=f"bound {bound:.3g} s/token")
     ax.set_xlabel("Request rate (req/s)")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     if ymax is not None:
         ax.set_ylim(0, ymax)
-    ax.set_xlim(left=0)
+        ax.plot([], [], linestyle="none", marker="^", markerfacecolor="white", color="grey",
+                label=f"above {ymax:.3g} (value shown)")
+    ax.set_xlim(left=0, right=max((p[0] for pts in series.values() for p in pts), default=1) * 1.04)
     ax.grid(alpha=0.3)
-    ax.legend(title=group, fontsize=8)
+    ax.legend(title=group, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, out)
 
 
@@ -79,21 +120,24 @@ def usage_over_time(rows: Iterable[Mapping], out: str | Path, *, title: str = "K
     """KV usage (%) on the left axis; running / waiting / swapped requests on the right."""
     rows = list(rows)
     t = [float(r["time"]) for r in rows]
+    usage_color = OKABE_ITO["blue"]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    ax.step(t, [100 * float(r["kv_usage"]) for r in rows], where="post", color="#1565c0", label="KV usage (%)")
+    ax.step(t, [100 * float(r["kv_usage"]) for r in rows], where="post", color=usage_color, label="KV usage (%)")
     ax.set_ylim(0, 105)
     ax.set_xlabel("Time (s)")
-    ax.set_ylabel("KV cache usage (%)", color="#1565c0")
+    ax.set_ylabel("KV cache usage (%)", color=usage_color)
     ax2 = ax.twinx()
-    for key, color in (("running", "#2e7d32"), ("waiting", "#c62828"), ("swapped", "#6a1b9a")):
+    for key, color, dash in (("running", OKABE_ITO["green"], "-"), ("waiting", OKABE_ITO["vermillion"], "--"),
+                             ("swapped", OKABE_ITO["purple"], ":")):
         if rows and key in rows[0]:
-            ax2.step(t, [float(r[key]) for r in rows], where="post", color=color, alpha=0.8, label=key)
-    ax2.set_ylabel("Requests")
+            ax2.step(t, [float(r[key]) for r in rows], where="post", color=color, linestyle=dash, alpha=0.9,
+                     label=key)
+    ax2.set_ylabel("Requests (running / waiting / swapped)")
     ax2.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper left", fontsize=8)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     return _save(fig, out)
 
 
@@ -109,11 +153,12 @@ def memory_breakdown(shares: Mapping[str, Mapping[str, float]], out: str | Path,
         for bar, v, b in zip(bars, vals, bottom):
             if v >= 4:
                 ax.text(bar.get_x() + bar.get_width() / 2, b + v / 2, f"{v:.1f}%", ha="center", va="center",
-                        fontsize=9, color="black" if cat == "reserved" else "white", fontweight="bold")
+                        fontsize=9, color=BREAKDOWN_TEXT[cat], fontweight="bold")
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylim(0, 100)
+    ax.set_xlabel("KV allocation policy")
     ax.set_ylabel("KV cache memory in use (%)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, out)
 
@@ -134,9 +179,9 @@ def sharing_savings(rows: Iterable[Mapping], out: str | Path, *, x: str = "width
     fig, axes = plt.subplots(1, 2 if prefix else 1, figsize=(9.6 if prefix else 6.0, 4.0), squeeze=False,
                              gridspec_kw={"width_ratios": [2, 1]} if prefix else None)
     ax = axes[0][0]
-    for name, pts in series.items():
+    for i, (name, pts) in enumerate(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, clip_on=False, **series_style(i))
         for px, py in pts:
             ax.annotate(f"{py:.1f}%", (px, py), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.set_xlabel("Parallel samples n / beam width k")
@@ -151,11 +196,12 @@ def sharing_savings(rows: Iterable[Mapping], out: str | Path, *, x: str = "width
         ax = axes[0][1]
         prefix.sort()
         labels = [f"{int(p[0])} tokens" for p in prefix]
-        bars = ax.bar(labels, [p[1] for p in prefix], color="#6a1b9a")
+        bars = ax.bar(labels, [p[1] for p in prefix], color=OKABE_ITO["purple"])
         for bar, (_, v) in zip(bars, prefix):
             ax.text(bar.get_x() + bar.get_width() / 2, v + 1.5, f"{v:.1f}%", ha="center", fontsize=8)
         ax.set_ylim(0, 100)
-        ax.set_xlabel("Shared system prompt")
+        ax.set_xlabel("Shared system prompt length")
+        ax.set_ylabel("KV blocks saved by sharing (%)")
         ax.set_title("Shared prefix (prefix caching)")
         ax.grid(alpha=0.3, axis="y")
     return _save(fig, out)
@@ -174,35 +220,47 @@ def memory_over_time(series: Mapping[str, Iterable[Mapping]], out: str | Path,
         ax.stackplot(t, *ys, step="post", colors=[BREAKDOWN_COLORS[c] for c in BREAKDOWN_ORDER],
                      labels=[BREAKDOWN_LABELS[c] for c in BREAKDOWN_ORDER], alpha=0.9)
         ax.set_ylim(0, 100)
-        ax.set_ylabel("% of KV")
+        ax.set_ylabel("% of KV slots")
+        ax.set_xlabel("Time (s)")
         ax.set_title(name, fontsize=9, loc="left")
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7, loc="upper right", ncol=2)
-    axes[-1, 0].set_xlabel("Time (s)")
     fig.suptitle(title)
     return _save(fig, out)
 
 
 def latency_cdfs(samples: Mapping[str, Mapping[str, list[float]]], out: str | Path,
-                 *, metrics: tuple[str, ...] = ("ttft", "tpot"), title: str | None = None) -> Path:
-    """Empirical CDFs of per-request latencies (one panel per metric, one line per policy)."""
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.8), squeeze=False)
+                 *, metrics: tuple[str, ...] = ("ttft", "tpot"), title: str | None = None,
+                 clip_percentile: float = CDF_PERCENTILE) -> Path:
+    """Empirical CDFs of per-request latencies (one panel per metric, one line per policy).
+    When the largest value is over 1.5x the largest `clip_percentile` percentile of the
+    series, the x axis ends at that percentile and its label says so: one outlier cannot
+    squash the rest."""
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.9), squeeze=False)
     if title:
         fig.suptitle(title)
     for ax, metric in zip(axes[0], metrics):
-        lo, hi = float("inf"), 0.0
-        for name, by_metric in samples.items():
+        lo, hi, top = float("inf"), 0.0, 0.0
+        for i, (name, by_metric) in enumerate(samples.items()):
             v = sorted(by_metric.get(metric, []))
             if v:
-                ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
-                lo, hi = min(lo, v[0]), max(hi, v[-1])
-        if lo > 0 and hi > 20 * lo:        # log scale only where the values span decades
-            ax.set_xscale("log")
-        ax.set_xlabel(f"{metric.upper()} (s)")
+                ax.plot(v, [(k + 1) / len(v) for k in range(len(v))], label=name,
+                        color=PALETTE[i % len(PALETTE)], linestyle=("-", "--", "-.", ":")[i % 4])
+                lo, hi, top = min(lo, v[0]), max(hi, percentile(v, clip_percentile)), max(top, v[-1])
+        label = f"{metric.upper()} (s)"
+        if top > 0:
+            cut = top > OUTLIER_STRETCH * hi   # a far tail would squash the rest: end the axis at the percentile
+            right = hi if cut else top
+            if lo > 0 and right > 20 * lo:     # log scale only where the values span decades
+                ax.set_xscale("log")
+            if cut:
+                label += f", axis cut at the p{clip_percentile:g} (max {top:.3g} s)"
+            ax.set_xlim(right=right)
+        ax.set_xlabel(label)
         ax.set_ylabel("Fraction of requests")
         ax.set_title(f"{metric.upper()} CDF")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
     return _save(fig, out)
 
 

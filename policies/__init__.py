@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from core.config import CacheConfig
+from core.kv_interface import KVManager
 from core.policy_api import Evictor, PreemptionModePolicy, QueuePolicy, VictimPolicy
 from policies.eviction import FIFOEvictor, LFUEvictor, LRUEvictor
 from policies.preemption import (AutoMode, LeastComputedVictim, LowestPriorityVictim, NewestVictim,
@@ -47,10 +49,9 @@ class PolicySet:
     eviction: Callable[[], Evictor] = LRUEvictor     # a factory: one evictor per pool
     allocation: str = "paged"                        # or a contiguous baseline: orca-max/-pow2/-oracle
 
-    @property
-    def reservation(self):
-        """None for paged allocation; else the reservation rule the core's contiguous manager uses."""
-        return make("allocation", self.allocation)
+    def make_kv_manager(self, cache: CacheConfig, max_model_len: int) -> KVManager:
+        """The KV manager the allocation policy names (paged, or an Orca baseline)."""
+        return make("allocation", self.allocation).make_kv_manager(cache, max_model_len, self.eviction)
 
     @classmethod
     def from_names(cls, queue: str = "fcfs", preemption: str = "recompute", victim: str = "newest",

@@ -1,4 +1,5 @@
 """KV allocation: paged (on demand, block by block) or a contiguous-reservation baseline.
+Each allocation policy builds the scheduler's KV manager (`core.kv_interface.KVManager`).
 
 The baselines are the vLLM paper's stand-ins for pre-paging systems (Orca): each
 sequence reserves one contiguous region at admission. They differ in how much they
@@ -9,6 +10,12 @@ reserve (the simulator knows each request's real output length through max_token
 """
 from __future__ import annotations
 
+from typing import Callable
+
+from core.config import CacheConfig
+from core.contiguous import ContiguousKVCacheManager, ReservationRule
+from core.kv_cache_manager import KVCacheManager
+from core.policy_api import Evictor
 from core.request import Request
 
 
@@ -29,10 +36,33 @@ def reserve_oracle(request: Request, max_model_len: int) -> int:
     return _total(request, max_model_len)
 
 
-# make("allocation", name) returns the reservation rule, or None for paged allocation.
+class PagedAllocation:
+    """Blocks on demand, shared by forks and the prefix cache (vLLM's PagedAttention)."""
+    name = "paged"
+
+    def make_kv_manager(self, cache: CacheConfig, max_model_len: int,
+                        evictor: Callable[[], Evictor]) -> KVCacheManager:
+        caching = cache.enable_prefix_caching
+        return KVCacheManager(cache.block_size, cache.num_gpu_blocks, cache.num_cpu_blocks,
+                              enable_prefix_caching=caching, evictor=evictor() if caching else None,
+                              watermark=cache.watermark, hash_algo=cache.prefix_caching_hash_algo)
+
+
+class ContiguousAllocation:
+    """One region per sequence, sized by `reserve` (no prefix cache, no swap space)."""
+
+    def __init__(self, name: str, reserve: ReservationRule):
+        self.name = name
+        self.reserve = reserve
+
+    def make_kv_manager(self, cache: CacheConfig, max_model_len: int,
+                        evictor: Callable[[], Evictor]) -> ContiguousKVCacheManager:
+        return ContiguousKVCacheManager(cache.block_size, cache.num_gpu_blocks, self.reserve, max_model_len)
+
+
 ALLOCATIONS = {
-    "paged": lambda: None,
-    "orca-max": lambda: reserve_max,
-    "orca-pow2": lambda: reserve_pow2,
-    "orca-oracle": lambda: reserve_oracle,
+    "paged": PagedAllocation,
+    "orca-max": lambda: ContiguousAllocation("orca-max", reserve_max),
+    "orca-pow2": lambda: ContiguousAllocation("orca-pow2", reserve_pow2),
+    "orca-oracle": lambda: ContiguousAllocation("orca-oracle", reserve_oracle),
 }

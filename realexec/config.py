@@ -19,6 +19,12 @@ except ImportError:                  # pragma: no cover - xxhash is in the real 
 else:
     register_block_hasher("xxhash", make_digest_hasher(xxhash.xxh3_128_digest))
 
+from policies import REGISTRY
+
+
+def _names(kind: str) -> str:
+    return " | ".join(REGISTRY[kind])
+
 
 def _arg(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
@@ -45,10 +51,10 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(False, "reuse KV blocks of identical prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
     watermark: float = _arg(0.01, "fraction of KV blocks new admissions must leave free")
-    queue_policy: str = _arg("fcfs", "waiting-queue order: fcfs | priority | sjf | lpm")
-    preemption_mode: str = _arg("recompute", "recompute | swap | auto")
-    victim_policy: str = _arg("newest", "preemption victim: newest | lowest-priority | least-computed")
-    eviction_policy: str = _arg("lru", "cached-block eviction: lru | lfu | fifo")
+    queue_policy: str = _arg("fcfs", f"waiting-queue order: {_names('queue')}")
+    preemption_mode: str = _arg("recompute", f"preemption mode: {_names('preemption')}")
+    victim_policy: str = _arg("newest", f"preemption victim: {_names('victim')}")
+    eviction_policy: str = _arg("lru", f"cached-block eviction: {_names('eviction')}")
     prefix_caching_hash_algo: str = _arg(
         "sha256", "prefix-cache block key: sha256 (collision-resistant: one tenant's prompt cannot be made to "
                   "hit another's cached KV) | xxhash (XXH3-128: faster, not cryptographic) | builtin "

@@ -218,6 +218,8 @@ class LLMEngine:
         """Run one engine step; outputs of the requests that progressed or finished.
         While asleep nothing runs: queued requests wait for wake_up()."""
         with self._lock:
+            if self.executor.error is not None:
+                raise self.executor.error     # a worker failed: this engine is dead
             if self.sleep_level:
                 time.sleep(0.01)              # callers that loop on step() do not spin
                 return []

@@ -155,4 +155,3 @@ def make_executor(args: EngineArgs) -> ExecutorBase:
     return RayExecutor(args)
 
 
-EXECUTORS = {"uni": UniprocExecutor, "uniproc": UniprocExecutor}

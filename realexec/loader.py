@@ -66,14 +66,16 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, cfg: Mo
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
                device: str | torch.device = "cpu", *, attn_backend: str = "torch",
-               max_position: int | None = None, cache_dir: str | Path | None = None, tp=None):
+               max_position: int | None = None, cache_dir: str | Path | None = None, tp=None,
+               with_tokenizer: bool = True):
     """-> (model in eval mode, ModelConfig, tokenizer or None if the checkpoint has none).
 
     max_position caps the rotary table (default: the config's max_position_embeddings).
     tp: a realexec.parallel.TPGroup: load this rank's tensor-parallel shard.
     """
     path = resolve_model_dir(model, cache_dir)
-    return load_hf_dir(path, dtype, device, attn_backend=attn_backend, max_position=max_position, tp=tp)
+    return load_hf_dir(path, dtype, device, attn_backend=attn_backend, max_position=max_position, tp=tp,
+                       with_tokenizer=with_tokenizer)
 
 
 def resolve_model_dir(model: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
@@ -96,7 +98,8 @@ def read_model_config(model: str | Path | None = None) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((resolve_model_dir(model) / "config.json").read_text()))
 
 
-def load_hf_dir(path: Path, dtype=None, device="cpu", *, attn_backend="torch", max_position=None, tp=None):
+def load_hf_dir(path: Path, dtype=None, device="cpu", *, attn_backend="torch", max_position=None, tp=None,
+                with_tokenizer: bool = True):
     device = torch.device(device)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     dtype = resolve_dtype(dtype, device, cfg)
@@ -110,7 +113,7 @@ def load_hf_dir(path: Path, dtype=None, device="cpu", *, attn_backend="torch", m
         if isinstance(module, RotaryEmbedding):
             module.reset_table()
     model.load_weights(iter_safetensors(path))
-    return model.eval(), cfg, load_tokenizer(path)
+    return model.eval(), cfg, load_tokenizer(path) if with_tokenizer else None
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -68,7 +68,8 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str, 
     from realexec.worker import Worker
 
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
-    worker = Worker(args, rank=rank, world_size=world_size, distributed_init_method=init_method)
+    worker = Worker(args, rank=rank, world_size=world_size, distributed_init_method=init_method,
+                    with_tokenizer=False)
     while True:
         try:
             data = conn.recv_bytes()
@@ -141,6 +142,7 @@ class MultiprocExecutor(ExecutorBase):
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
         while len(replies) < len(ranks):
             ready = wait_any(list(by_conn) + list(by_sentinel), timeout=1.0)
+            self._check_deaths(ready, what)
             for obj in ready:
                 if obj in by_conn:
                     rank = by_conn[obj]
@@ -149,13 +151,10 @@ class MultiprocExecutor(ExecutorBase):
                     except (EOFError, OSError):
                         continue                           # its sentinel tells why
                     if status == "err":
+                        # A peer's death makes the others' collectives fail: blame the dead one.
+                        self._check_deaths(wait_any(list(by_sentinel), timeout=2.0), what)
                         raise self._fail(WorkerError(rank, f"raised during {what}: {value}"))
                     replies[rank] = value
-            for obj in ready:
-                if obj in by_sentinel:
-                    rank = by_sentinel[obj]
-                    raise self._fail(WorkerError(rank, f"process {self.procs[rank].pid} died during {what} "
-                                                       f"({describe_exit(self.procs[rank].exitcode)})"))
             now = time.monotonic()
             for rank in range(self.world_size):
                 if now - self._beats[rank] > stale:
@@ -166,6 +165,13 @@ class MultiprocExecutor(ExecutorBase):
                 raise self._fail(WorkerError(late[0], f"no reply to {what} within {self.args.worker_timeout:g} s "
                                                       f"(ranks without a reply: {late})"))
         return replies
+
+    def _check_deaths(self, ready, what: str) -> None:
+        for rank, p in enumerate(self.procs):
+            if p.sentinel in ready:
+                p.join(timeout=1.0)                 # reap it: its exit code says how it ended
+                raise self._fail(WorkerError(rank, f"process {p.pid} died during {what} "
+                                                   f"({describe_exit(p.exitcode)})"))
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         if self.error is not None:
@@ -184,19 +190,20 @@ class MultiprocExecutor(ExecutorBase):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        for conn in self.conns:
-            try:
-                conn.send_bytes(STOP)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5.0
+        if self.error is None:                  # healthy: ask politely; failed: no waiting
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(STOP)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (5.0 if self.error is None else 0.0)
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
+            if p.is_alive() and self.error is None:
                 p.terminate()
                 p.join(timeout=2.0)
-            if p.is_alive():
+            if p.is_alive():                    # also reaches a stopped (SIGSTOP) process
                 p.kill()
                 p.join(timeout=2.0)
         for conn in self.conns:

@@ -13,9 +13,10 @@
   torch.distributed group there (gloo on CPU, NCCL on GPUs).
 * Steps: the encoded step message is put in the object store once; every actor gets the
   same reference; the driver (rank 0) returns the sampled tokens, the others None.
-* Faults: a dead actor surfaces as RayActorError on its reference (named by rank), a hung
-  one as a timeout (`worker_timeout`) naming the ranks without a result; either way all
-  actors are killed and the placement group removed.
+* Faults: a dead actor surfaces as RayActorError on its reference (named by rank); after
+  `worker_timeout` without a result, the rank whose actor does not answer a liveness probe
+  (served by a second actor thread) is named as hung; either way all actors are killed
+  and the placement group removed.
 """
 from __future__ import annotations
 
@@ -47,11 +48,16 @@ class RayWorkerActor:
     def start(self, init_method: str) -> int:
         from realexec.worker import Worker
         self.worker = Worker(self.args, rank=self.rank, world_size=self.world_size, local_rank=0,
-                             distributed_init_method=init_method)
+                             distributed_init_method=init_method, with_tokenizer=False)
         return os.getpid()
 
     def execute(self, data: bytes):
         return self.worker.execute_model(decode_step(data))
+
+    def alive(self) -> int:
+        """Answered from a second actor thread even while a step runs (or waits in a
+        collective); a stopped or wedged process does not answer."""
+        return self.rank
 
     def rpc(self, method: str, args: tuple, kwargs: dict):
         return getattr(self.worker, method)(*args, **kwargs)
@@ -103,7 +109,7 @@ class RayExecutor(ExecutorBase):
                                    f"lower --ray-cpus-per-worker")
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [PROJECT_ROOT, os.environ.get("PYTHONPATH")])),
                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-            cls = ray.remote(RayWorkerActor)
+            cls = ray.remote(max_concurrency=2)(RayWorkerActor)     # calls run in order; `alive` beside them
             self.actors = [cls.options(num_cpus=cpus, num_gpus=1 if gpus else 0, runtime_env={"env_vars": env},
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
                                            placement_group=self.pg, placement_group_bundle_index=rank),
@@ -129,20 +135,41 @@ class RayExecutor(ExecutorBase):
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except Exception as e:       # RayActorError (died), RayTaskError (raised)
-                    rank = refs.index(ref)
-                    died = isinstance(e, ray.exceptions.RayActorError)
-                    cause = "its actor died" if died else "raised"
-                    raise self._fail(WorkerError(rank, f"{cause} during {what}: {type(e).__name__}: "
-                                                       f"{str(e).strip().splitlines()[0][:300]}")) from None
+            failures = self._failures(refs, ready)
+            if failures:
+                if pending and not any(died for _, died, _ in failures):
+                    # A peer's death makes the others' collectives fail: look for the dead one.
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=3.0)
+                    failures += self._failures(refs, more)
+                rank, died, e = sorted(failures, key=lambda f: (not f[1], f[0]))[0]
+                cause = "its actor died" if died else "raised"
+                raise self._fail(WorkerError(rank, f"{cause} during {what}: {type(e).__name__}: "
+                                                   f"{str(e).strip().splitlines()[0][:300]}"))
             if pending and time.monotonic() > deadline:
                 late = [refs.index(r) for r in pending]
-                raise self._fail(WorkerError(late[0], f"no result for {what} within {self.args.worker_timeout:g} s "
-                                                      f"(ranks without a result: {late})"))
+                silent = self._unresponsive(min(5.0, self.args.worker_timeout))
+                culprit = silent[0] if silent else late[0]
+                raise self._fail(WorkerError(culprit, f"hung during {what}: no result within "
+                                                      f"{self.args.worker_timeout:g} s (ranks without a result: {late}; "
+                                                      f"not answering a liveness probe: {silent})"))
         return ray.get(list(refs))
+
+    def _unresponsive(self, timeout: float = 5.0) -> list[int]:
+        """Ranks whose actor does not answer `alive` within `timeout` seconds."""
+        probes = [a.alive.remote() for a in self.actors]
+        ready, _ = self._ray.wait(probes, num_returns=len(probes), timeout=timeout)
+        return [rank for rank, p in enumerate(probes) if p not in ready]
+
+    def _failures(self, refs: list, ready: list) -> list[tuple[int, bool, Exception]]:
+        """(rank, died, error) of the ready references that failed."""
+        ray = self._ray
+        out = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:           # RayActorError (died), RayTaskError (raised)
+                out.append((refs.index(ref), isinstance(e, ray.exceptions.RayActorError), e))
+        return out
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         return self._get([a.rpc.remote(method, tuple(args), kwargs or {}) for a in self.actors], method)

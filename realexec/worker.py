@@ -9,6 +9,7 @@ same code runs in the engine's process, in a worker process, or in a Ray actor.
 """
 from __future__ import annotations
 
+import time
 from itertools import accumulate
 
 import torch
@@ -91,8 +92,9 @@ class LengthBucketedTorchBackend(TorchAttentionBackend):
 
 class Worker:
     def __init__(self, args: EngineArgs, rank: int = 0, world_size: int = 1, local_rank: int | None = None,
-                 distributed_init_method: str | None = None):
+                 distributed_init_method: str | None = None, with_tokenizer: bool = True):
         self.args = args
+        self.with_tokenizer = with_tokenizer      # executors with remote workers load their own
         self.rank = rank
         self.world_size = world_size
         self.local_rank = rank if local_rank is None else local_rank
@@ -108,6 +110,7 @@ class Worker:
         self._cache_blocks = (0, 0)
         self.sleep_level = 0                 # 0 awake; 1 weights offloaded, KV dropped; 2 both dropped
         self._offloaded: dict[str, torch.Tensor] = {}
+        self.execute_time = 0.0              # seconds inside execute_model (the worker's own share of a step)
 
     # -- setup ----------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -127,7 +130,8 @@ class Worker:
         """-> the ModelConfig (the tokenizer stays on the worker: `self.tokenizer`)."""
         args = self.args
         self.model, self.model_config, self.tokenizer = load_model(
-            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp)
+            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp,
+            with_tokenizer=self.with_tokenizer)
         check_tensor_parallel(self.model_config, self.world_size)
         sampler = Sampler(self.device, args.seed) if self.tp.is_driver else None
         self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp)
@@ -234,6 +238,7 @@ class Worker:
         """The driver's sampled tokens; None on the other ranks."""
         if self.sleep_level:
             raise RuntimeError(f"rank {self.rank} is asleep (level {self.sleep_level}): wake_up first")
+        t0 = time.perf_counter()
         # Order matters: a swapped-out block may be reused by a swap-in or a copy this step.
         if msg.blocks_to_swap_out:
             self.swap_out(msg.blocks_to_swap_out)
@@ -241,7 +246,9 @@ class Worker:
             self.swap_in(msg.blocks_to_swap_in)
         if msg.blocks_to_copy:
             self.copy_blocks(msg.blocks_to_copy)
-        return self.runner.execute_model(msg)
+        result = self.runner.execute_model(msg)
+        self.execute_time += time.perf_counter() - t0
+        return result
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block) pairs: device pool -> swap pool."""
@@ -292,13 +299,14 @@ class Worker:
             return
         if self.sleep_level == 2:
             fresh, _, _ = load_model(self.args.model, self.args.dtype, self.device,
-                                     attn_backend=self._backend(), tp=self.tp)
+                                     attn_backend=self._backend(), tp=self.tp, with_tokenizer=False)
             sources = dict(fresh.named_parameters())
         else:
             sources = self._offloaded
         for name, p in self.model.named_parameters():
-            if name in sources:
-                p.data = sources[name].to(self.device, copy=True)
+            if name in sources:       # level 2: the fresh tensors are already on the device
+                src = sources[name]
+                p.data = src.data if self.sleep_level == 2 else src.to(self.device, copy=True)
         self._offloaded = {}
         self.sleep_level = 0
         self.initialize_cache(*self._cache_blocks)
@@ -318,7 +326,8 @@ class Worker:
 
     def get_timings(self) -> dict[str, float]:
         r = self.runner
-        return {"prepare_s": r.prepare_time, "forward_s": r.forward_time, "steps": r.num_steps}
+        return {"prepare_s": r.prepare_time, "forward_s": r.forward_time, "execute_s": self.execute_time,
+                "steps": r.num_steps}
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights and in its device KV cache."""

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from policies import REGISTRY
 from sim import compare, search
-from sim.engine import DEFAULT_HARDWARE, DEFAULT_MODEL, ResolvedConfig, SimConfig, resolve, simulate
+from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
+                        positive_int)
+from sim.engine import ResolvedConfig, resolve, simulate
 from sim.results import build_summary, format_summary, write_results
 from sim.workloads import apply_workload
-from sim.specs import HARDWARE, MODELS
 from traces import LOADERS, Trace, TraceError, load_trace
 
 SWEEP_COLUMNS = (
@@ -36,107 +37,28 @@ class UsageError(Exception):
     """Bad input found after argument parsing; reported as `error: ...`, exit 2."""
 
 
-def _int_at_least(low: int):
-    """argparse type: an integer >= low, with a readable error."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
-        return v
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_nonneg_int = _int_at_least(0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = _positive_float(text)
-    if v > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return v
-
-
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace file (twinserve JSON, ShareGPT, Azure/BurstGPT/Vidur CSV, Mooncake JSONL)")
     p.add_argument("--format", default="auto", choices=["auto", *LOADERS], help="trace format (default: auto)")
-    g = p.add_argument_group("deployment")
-    g.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME", help=f"model spec: {', '.join(MODELS)} (default: %(default)s)")
-    g.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="NAME",
-                   help=f"accelerator: {', '.join(HARDWARE)} (default: %(default)s)")
-    g.add_argument("--tp", type=_positive_int, metavar="N", default=1, help="tensor-parallel degree (default: 1)")
-    g.add_argument("--num-gpu-blocks", type=_positive_int, metavar="N", default=None,
-                   help="KV blocks in the GPU pool (default: sized from memory like vLLM)")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, metavar="F", default=0.9, help="(default: 0.9)")
-    g.add_argument("--swap-space-gib", type=_nonneg_float, metavar="GIB", default=4.0,
-                   help="CPU swap space per GPU in GiB (default: 4)")
-    g.add_argument("--block-size", type=_positive_int, metavar="N", default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", default=256, help="(default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N", default=None,
-                   help="token budget per step (default: 2048; max(2048, max-model-len) without chunked prefill)")
-    g.add_argument("--max-model-len", type=_positive_int, metavar="N", default=None,
-                   help="(default: the model's, capped at what the KV cache holds)")
-    g.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
-                   help="schedule each prompt in one step")
-    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt blocks")
-    g = p.add_argument_group("policies")
-    for kind, flag in (("queue", "--queue"), ("preemption", "--preemption"), ("victim", "--victim"),
-                       ("eviction", "--eviction")):
-        names = list(REGISTRY[kind])
-        g.add_argument(flag, default=names[0], choices=names, help=f"(default: {names[0]})")
-    names = list(REGISTRY["allocation"])
-    g.add_argument("--allocation", default="paged", choices=names,
-                   help="KV allocation: paged blocks, or an Orca-style contiguous region per sequence reserved "
-                        "for max_model_len / the next power of two of / exactly its final length (no prefix "
-                        "caching, no swapping: swap preemption recomputes) (default: paged)")
-    g = p.add_argument_group("workload")
-    g.add_argument("--burstiness", type=_positive_float, metavar="B", default=1.0,
+    groups = add_config_args(p)          # deployment, policies, workload (n, beam width, seed), simulator
+    g = groups["workload"]
+    g.add_argument("--burstiness", type=positive_float, metavar="B", default=1.0,
                    help="gamma shape of the gaps with --rate (1 = Poisson; default: 1)")
-    g.add_argument("--time-scale", type=_positive_float, metavar="S", default=None,
+    g.add_argument("--time-scale", type=positive_float, metavar="S", default=None,
                    help="multiply the trace's own timestamps (2 = half the rate)")
-    g.add_argument("--num-requests", type=_nonneg_int, metavar="N", default=None,
+    g.add_argument("--num-requests", type=positive_int, metavar="N", default=None,
                    help="first N requests (the trace is replayed if N is larger)")
-    g.add_argument("--seed", type=int, metavar="S", default=0, help="arrival and beam-model seed (default: 0)")
-    g.add_argument("--n", type=_positive_int, metavar="N", default=1, help="parallel samples per request (default: 1)")
-    g.add_argument("--beam-width", type=_nonneg_int, metavar="W", default=0,
-                   help="beam search width, 0 = off; each beam draws 2W candidates with random log-probs, so "
-                        "which beams survive is random (seeded by --seed; see sim/workloads.py) (default: 0)")
-    g.add_argument("--shared-prefix-len", type=_nonneg_int, metavar="L", default=0,
+    g.add_argument("--shared-prefix-len", type=nonneg_int, metavar="L", default=0,
                    help="prepend one L-token system prompt (identical token ids) to every request / "
                         "conversation (the paper used 80 and 341; default: 0 = off)")
     g.add_argument("--multi-turn", action="store_true",
                    help="group consecutive requests into conversations: a turn's prompt carries the previous "
                         "turn's prompt + output; it arrives when that turn has finished (see sim/workloads.py)")
-    g.add_argument("--max-turns", type=_positive_int, metavar="K", default=4,
+    g.add_argument("--max-turns", type=positive_int, metavar="K", default=4,
                    help="--multi-turn: conversations of 2..K turns (default: 4)")
-    g.add_argument("--think-time", type=_nonneg_float, metavar="S", default=0.0,
+    g.add_argument("--think-time", type=nonneg_float, metavar="S", default=0.0,
                    help="--multi-turn: seconds between a turn's finish and the next turn (default: 0)")
-    g = p.add_argument_group("simulator")
-    g.add_argument("--no-event-skipping", dest="event_skipping", action="store_false",
-                   help="run every decode step one by one (slower; same results)")
+    g = groups["simulator"]
     g.add_argument("--quiet", action="store_true", help="no progress output on stderr")
 
 
@@ -150,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Simulate one trace; writes requests.csv, summary.json and "
                                      "timeseries.csv to --out and prints a summary table.")
     _add_common(run)
-    run.add_argument("--rate", type=_positive_float, metavar="R", default=None,
+    run.add_argument("--rate", type=positive_float, metavar="R", default=None,
                      help="re-time arrivals to this mean rate in req/s (default: the trace's own times)")
     run.add_argument("--out", default="results/run", metavar="DIR", help="results directory (default: %(default)s)")
     _add_fleet(run)
@@ -178,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "KIND=NAME items joined by '+' (allocation=orca-max, queue=sjf+preemption=swap), "
                           "prefix-caching; the flags give everything a variant does not name (repeatable)")
     cmp.add_argument("--rates", required=True, metavar="R1,R2,...", help="comma-separated request rates (req/s)")
-    cmp.add_argument("--latency-bound", type=_positive_float, metavar="S", default=None,
+    cmp.add_argument("--latency-bound", type=positive_float, metavar="S", default=None,
                      help="normalized-latency bound (s/token) for the sustainable-rate table "
                           "(default: 4x the lowest mean normalized latency in the grid)")
     cmp.add_argument("--out", default="results/compare.csv", metavar="CSV", help="CSV to write (default: %(default)s)")
@@ -193,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "time-integrated over each run; for a shared prefix also the throughput "
                                     "with vs without prefix caching. Paged allocation.")
     _add_common(sh)
-    sh.add_argument("--rate", type=_positive_float, metavar="R", default=None,
+    sh.add_argument("--rate", type=positive_float, metavar="R", default=None,
                     help="re-time arrivals to this rate (default: the trace's own times)")
     sh.add_argument("--ns", default="2,4,6", metavar="N1,N2,...", help="parallel samples (default: %(default)s; '' = none)")
     sh.add_argument("--beam-widths", default="2,4,6", metavar="W1,...", help="beam widths (default: %(default)s)")
@@ -208,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_fleet(p: argparse.ArgumentParser) -> None:
     from sim.disagg import LINKS
     g = p.add_argument_group("fleet (sim.fleet, sim.disagg)")
-    g.add_argument("--replicas", type=_positive_int, metavar="N", default=1,
+    g.add_argument("--replicas", type=positive_int, metavar="N", default=1,
                    help="N replicas of the deployment behind --router, on one clock (default: 1)")
     g.add_argument("--router", default=None, choices=list(REGISTRY["router"]),
                    help="which replica takes each request (default: round-robin)")
@@ -216,11 +138,11 @@ def _add_fleet(p: argparse.ArgumentParser) -> None:
                    help="P prefill and D decode replicas; the KV moves over --link (replaces --replicas)")
     g.add_argument("--link", default="nvlink", choices=list(LINKS),
                    help="--disaggregate: KV transfer link preset (default: nvlink)")
-    g.add_argument("--link-bandwidth", type=_positive_float, metavar="GBPS", default=None,
+    g.add_argument("--link-bandwidth", type=positive_float, metavar="GBPS", default=None,
                    help="--disaggregate: link bandwidth in GB/s per GPU (default: the preset's)")
-    g.add_argument("--slo-ttft", type=_positive_float, metavar="S", default=None,
+    g.add_argument("--slo-ttft", type=positive_float, metavar="S", default=None,
                    help="fleet runs: report goodput, requests meeting TTFT <= S and --slo-tpot")
-    g.add_argument("--slo-tpot", type=_positive_float, metavar="S", default=None, help="(see --slo-ttft)")
+    g.add_argument("--slo-tpot", type=positive_float, metavar="S", default=None, help="(see --slo-ttft)")
 
 
 def _add_ray(p: argparse.ArgumentParser) -> None:
@@ -229,14 +151,7 @@ def _add_ray(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
-    return SimConfig(
-        model=args.model, hardware=args.hardware, tp=args.tp, num_gpu_blocks=args.num_gpu_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization, swap_space_gib=args.swap_space_gib,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_chunked_prefill=args.chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-        queue=args.queue, preemption=args.preemption, victim=args.victim, eviction=args.eviction,
-        allocation=args.allocation, n=args.n, beam_width=args.beam_width, seed=args.seed, event_skipping=args.event_skipping)
+    return config_from_args(args)
 
 
 def _resolve(config: SimConfig) -> ResolvedConfig:
@@ -331,7 +246,7 @@ def parse_rates(text: str) -> list[float]:
     rates = []
     for item in text.split(","):
         try:
-            rates.append(_positive_float(item.strip()))
+            rates.append(positive_float(item.strip()))
         except argparse.ArgumentTypeError as e:
             raise UsageError(f"--rates: {item.strip()!r}: {e}") from None
     return rates
@@ -426,15 +341,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print()
         print(compare.format_sustainable(rows, bound))
     if args.plot:
-        from plots import figures
-        plot_dir = Path(args.plot)
-        top = max(rates)
-        figures.latency_vs_rate(rows, plot_dir / "latency_vs_rate.png",
-                                title=f"Normalized latency vs request rate ({configs[0][1].model})", bound=bound)
-        figures.memory_breakdown({r["policy"]: {c: r[f"{c}_share"] or 0.0 for c in figures.BREAKDOWN_ORDER}
-                                  for r in rows if r["rate"] == top}, plot_dir / "memory_breakdown.png",
-                                 title=f"KV memory in use, time-averaged ({top:g} req/s)")
-        print(f"plots in {plot_dir}/")
+        compare.plot_comparison(rows, args.plot, config=base, trace=args.trace, bound=bound)
+        print(f"plots in {args.plot}/")
     print(f"wrote {out}")
     return 0
 

@@ -11,6 +11,7 @@ Everything here returns plain rows (dicts); `plots.figures` draws them.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Iterable
 
 from policies import REGISTRY
@@ -125,6 +126,25 @@ def run_grid(base: SimConfig, variants: list[tuple[str, dict]], rates: list[floa
                 on_run(rate, label, result)
             rows.append(row_from_summary(build_summary(result), rate, label or default_label(config)))
     return rows
+
+
+def plot_comparison(rows: list[dict], plot_dir: str | Path, *, config: SimConfig, trace: str,
+                    bound: float | None) -> list[Path]:
+    """`sim compare --plot`: latency_vs_rate.png and memory_breakdown.png (at the highest
+    rate), titled with the trace file and the deployment (model, hardware, TP)."""
+    from plots import figures      # matplotlib only when plotting
+
+    plot_dir = Path(plot_dir)
+    gpus = f"{config.tp}x " if config.tp > 1 else ""
+    setting = f"{Path(trace).name}: {config.model} on {gpus}{config.hardware}"
+    top = max(r["rate"] for r in rows)
+    return [
+        figures.latency_vs_rate(rows, plot_dir / "latency_vs_rate.png", bound=bound,
+                                title=f"Normalized latency vs request rate\n{setting}"),
+        figures.memory_breakdown({r["policy"]: {c: r[f"{c}_share"] or 0.0 for c in figures.BREAKDOWN_ORDER}
+                                  for r in rows if r["rate"] == top}, plot_dir / "memory_breakdown.png",
+                                 title=f"KV memory in use, time-averaged, at {top:g} req/s\n{setting}"),
+    ]
 
 
 def default_label(config: SimConfig) -> str:

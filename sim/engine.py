@@ -20,7 +20,7 @@ is sampled from the core and weighted by the step's duration (`sim.memory`).
 Event skipping. After every normal step the engine asks the core for its steady-decode
 horizon h (steps that would each decode one token for every running sequence with no
 admission, swap, preemption, copy-on-write or finish). It runs k <= h of them in bulk
-with `Scheduler.fast_forward`, where k stops before the first step that would start at
+with `core.event_skipping.fast_forward`, where k stops before the first step that would start at
 or after the next arrival. Per-step durations come from the same cost-model call the
 step-by-step mode makes, summed in the same order, and each skipped step's memory
 sample follows in closed form from the state before the span (`sim.memory.SpanModel`,
@@ -41,16 +41,17 @@ import simpy
 
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
+from core.config import default_max_model_len, default_max_num_batched_tokens
+from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
 from core.metrics import RequestRecord
 from policies import PolicySet
+from sim.config import SimConfig
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
 from sim.memory import MemoryAccumulator, SpanModel, sample as memory_sample
 from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
 from traces import HashedBlockTokens, Trace
 
-DEFAULT_MODEL = "Llama-2-13B"
-DEFAULT_HARDWARE = "A100-40G"
 # Synthetic prompts (traces without token ids): request i's prompt is the id
 # PROMPT_ID_BASE + i followed by 1, 2, 3, ... Chained block hashes cover everything
 # before a block, so a unique first token makes every block of the prompt unique
@@ -63,32 +64,6 @@ _REJECTED = RequestStatus.FINISHED_REJECTED
 # O(running) self-check; on in the test suite, off by default for speed).
 CHECK_SPANS = bool(os.environ.get("TWINSERVE_SIM_CHECK"))
 _EMPTY_RESULT = ModelRunnerOutput(token_ids={})
-
-
-@dataclass
-class SimConfig:
-    """Everything that defines a simulated deployment (the trace is separate)."""
-    model: str = DEFAULT_MODEL
-    hardware: str = DEFAULT_HARDWARE
-    tp: int = 1
-    num_gpu_blocks: int | None = None          # None: from kv_cache_capacity_blocks
-    gpu_memory_utilization: float = 0.9
-    swap_space_gib: float = 4.0                # CPU swap pool per GPU (vLLM's --swap-space)
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048, or max(2048, max_model_len) unchunked
-    max_model_len: int | None = None           # None: the model's, capped at what the cache holds
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
-    queue: str = "fcfs"
-    preemption: str = "recompute"
-    victim: str = "newest"
-    eviction: str = "lru"
-    allocation: str = "paged"                  # or a contiguous baseline: orca-max / orca-pow2 / orca-oracle
-    n: int = 1
-    beam_width: int = 0
-    seed: int = 0
-    event_skipping: bool = True
 
 
 @dataclass
@@ -130,7 +105,9 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     if c.beam_width and c.n != 1:
         raise ValueError("beam search returns beam-width sequences; use --n 1 with --beam-width")
     if not c.swap_space_gib >= 0:
-        raise ValueError(f"swap-space-gib must be >= 0, got {c.swap_space_gib}")
+        raise ValueError(f"swap-space must be >= 0 GiB, got {c.swap_space_gib}")
+    if not 0.0 <= c.watermark < 1.0:
+        raise ValueError(f"watermark must be in [0, 1), got {c.watermark}")
     if c.max_num_batched_tokens is not None and c.max_num_batched_tokens < 1:
         raise ValueError(f"max-num-batched-tokens must be >= 1, got {c.max_num_batched_tokens}")
     if c.max_model_len is not None and c.max_model_len < 2:
@@ -148,8 +125,8 @@ def resolve(config: SimConfig) -> ResolvedConfig:
                          f"{model.max_model_len} tokens")
     want_len = c.max_model_len or model.max_model_len
     batched = c.max_num_batched_tokens
-    if batched is None:
-        batched = 2048 if c.enable_chunked_prefill else max(2048, want_len)
+    if batched is None:     # for sizing the activation memory; final below
+        batched = default_max_num_batched_tokens(c.enable_chunked_prefill, want_len)
     if c.num_gpu_blocks is not None:
         if c.num_gpu_blocks < 1:
             raise ValueError(f"num-gpu-blocks must be >= 1, got {c.num_gpu_blocks}")
@@ -161,15 +138,15 @@ def resolve(config: SimConfig) -> ResolvedConfig:
             raise ValueError(f"{model.name} on {c.tp}x {hw.name} leaves no memory for the KV cache at "
                              f"gpu-memory-utilization={c.gpu_memory_utilization}; raise tp or pick "
                              f"larger hardware")
-    max_model_len = c.max_model_len or min(model.max_model_len, num_gpu_blocks * c.block_size)
-    if c.max_num_batched_tokens is None and not c.enable_chunked_prefill:
-        batched = max(2048, max_model_len)
+    max_model_len = c.max_model_len or default_max_model_len(model.max_model_len, num_gpu_blocks, c.block_size)
+    if c.max_num_batched_tokens is None:
+        batched = default_max_num_batched_tokens(c.enable_chunked_prefill, max_model_len)
     block_bytes = kv_block_bytes(model, c.block_size, c.tp)
     num_cpu_blocks = int(c.swap_space_gib * GiB) // block_bytes
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=max_model_len, enable_chunked_prefill=c.enable_chunked_prefill)
     cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                        enable_prefix_caching=c.enable_prefix_caching)
+                        enable_prefix_caching=c.enable_prefix_caching, watermark=c.watermark)
     cache.validate()
     sched.validate(cache)
     return ResolvedConfig(c, model, hw, sched, cache, block_bytes)
@@ -444,14 +421,14 @@ class SimEngine:
     def _skip(self):
         """Fast-forward through steady decode steps that start before the next arrival."""
         sched = self.scheduler
-        horizon = sched.steady_decode_horizon()
+        horizon = steady_decode_horizon(sched)
         if horizon <= 0:
             return
         t = start = self.clock
         limit = self._next_event()
         if limit <= t:
             return
-        num_seqs, context_sum = sched.steady_decode_shape()
+        num_seqs, context_sum = steady_decode_shape(sched)
         step_times = self.executor.decode_step_times
         # Step times never shrink as contexts grow, so at most (limit - t) / d0 + 1 steps
         # start before the arrival: price only those (the loop below extends if needed).
@@ -516,7 +493,7 @@ class SimEngine:
         mem_means = [(a - b) / span for a, b in zip(self.memory.w[:4], mem_before[:4])]
         self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs,
                                 num_seqs, 0, *mem_means))
-        result = sched.fast_forward(k, ends, self.executor.token_ids)
+        result = fast_forward(sched, k, ends, self.executor.token_ids)
         if gpu.num_used != used:
             raise RuntimeError(f"event skipping: KV usage {gpu.num_used} after {k} steps, expected {used}")
         if CHECK_SPANS and memory_sample(sched) != span_at(k - 1, used):   # the state now = the span's last step

@@ -108,7 +108,7 @@ class SimExecutor:
     def token_ids(self, seq: Sequence, first_position: int, count: int):
         """`token_id(seq, p)` for p in [first_position, first_position + count) as a
         sequence of ints (a `range` unless the ids wrap around TOKEN_MODULUS): the
-        `token_fn` of `Scheduler.fast_forward`, no per-token Python work."""
+        `token_fn` of `core.event_skipping.fast_forward`, no per-token Python work."""
         mod = TOKEN_MODULUS
         start = ((seq.seq_id - self.seq_id_base) * _SEQ_STRIDE + first_position) % mod
         if start + count <= mod:

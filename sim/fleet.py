@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import simpy
 
 from core import Request
+from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
 from core.metrics import summarize
 from policies import make as make_policy
 from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
@@ -75,7 +76,7 @@ class Span:
         sched = replica.scheduler
         self.start = self._t = replica.clock
         self.horizon = horizon
-        self._num_seqs, self._context_sum = sched.steady_decode_shape()
+        self._num_seqs, self._context_sum = steady_decode_shape(sched)
         self._price = replica.executor.decode_step_times
         # A sequence with c cached tokens and a table of b blocks takes a new block at steps
         # j0 = b * block_size - c, j0 + block_size, ... (as sim.engine's span accounting).
@@ -273,7 +274,7 @@ class Replica(SimEngine):
         if self.inbox or self.fleet.arrival_pending(self.clock):
             return                           # an arrival is due at this boundary
         sched = self.scheduler
-        horizon = sched.steady_decode_horizon()
+        horizon = steady_decode_horizon(sched)
         if horizon <= 0:
             return
         span = Span(self, horizon)
@@ -326,7 +327,7 @@ class Replica(SimEngine):
         num_seqs = span.model.n
         self.timeseries.append((t0, length, k - i0, piece_used / length, running, waiting, swapped,
                                 num_seqs, num_seqs, 0, *mem_means))
-        result = sched.fast_forward(k - i0, span.ends[i0:k], self.executor.token_ids)
+        result = fast_forward(sched, k - i0, span.ends[i0:k], self.executor.token_ids)
         if sched.kv.gpu.num_used != used_at[k - 1]:
             raise RuntimeError(f"replica {self.index}: KV usage {sched.kv.gpu.num_used} after a span, "
                                f"expected {used_at[k - 1]}")

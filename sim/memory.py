@@ -37,13 +37,14 @@ the same order, so both modes produce bit-identical sums (tested).
 from __future__ import annotations
 
 from core.contiguous import ContiguousKVCacheManager
+from core.event_skipping import memory_breakdown
 
 CATEGORIES = ("token_states", "reserved", "internal_frag", "external_frag")
 
 
 def sample(scheduler) -> tuple[int, int, int, int, int, int, int]:
     """(token_states, reserved, internal_frag, external_frag, free, physical, logical) now."""
-    b = scheduler.memory_breakdown()
+    b = memory_breakdown(scheduler)
     kv = scheduler.kv
     return (b["token_states"], b["reserved"], b["internal_frag"], b["external_frag"], b["free"],
             kv.gpu.num_used, sum(map(len, kv.tables.values())))

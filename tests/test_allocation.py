@@ -7,6 +7,7 @@ from hypothesis import given, strategies as st
 
 from core import CacheConfig, EngineCore, Request, SamplingParams, Scheduler, SchedulerConfig
 from core.contiguous import ContiguousBlockPool
+from core.event_skipping import memory_breakdown
 from policies import PolicySet
 from tests.toy_executor import ToyExecutor
 
@@ -26,11 +27,11 @@ def test_first_fit_pool_keeps_runs_contiguous_and_merges(ops):
         used = {b for r in held for b in r}
         assert pool.num_free == 24 - len(used)
         assert all((pool.ref_cnt[b] == 1) == (b in used) for b in range(24))
-        gaps = [(s, pool._ends[s]) for s in pool._starts]
+        gaps = pool.gaps()
         assert all(e1 < s2 for (_, e1), (s2, _) in zip(gaps, gaps[1:])), "adjacent gaps must merge"
     for r in held:
         pool.free(r)
-    assert pool._starts == [0] and pool._ends == {0: 24}
+    assert pool.gaps() == [(0, 24)]
 
 
 def _token_state_share(allocation: str, seed: int = 0) -> tuple[float, int]:
@@ -46,7 +47,7 @@ def _token_state_share(allocation: str, seed: int = 0) -> tuple[float, int]:
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-        for k, v in sched.memory_breakdown().items():
+        for k, v in memory_breakdown(sched).items():
             totals[k] = totals.get(k, 0) + v
     used = sum(v for k, v in totals.items() if k != "free")
     assert sched.kv.gpu.num_used == 0

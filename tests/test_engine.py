@@ -508,7 +508,7 @@ def test_sampler_masks_eos_and_stop_ids_until_min_tokens(temperature):
         assert got[0] == got[1] == 4            # below min_tokens: EOS and stop ids are masked
         if temperature == 0.0:
             assert got[2] == eos                # min_tokens reached: EOS allowed again
-    # ignore_eos keeps EOS masked forever only through the stop-check; min_tokens masks stop ids alone
+    # with ignore_eos, EOS is no stop token, so min_tokens leaves it alone (only stop ids are masked)
     q = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=3, stop_token_ids=[stop_id], ignore_eos=True)
     out = Sampler()(logits.clone(), _rows([(4, 0, q, eos)]))
     assert list(out.token_ids.values()) == [[eos]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import assume, given, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core import KVCacheManager, Request, SamplingParams
 from core.block_pool import BlockPool
@@ -36,11 +36,11 @@ def slot_value(seq, pos):
 class KVManagerMachine(RuleBasedStateMachine):
     @initialize(
         num_gpu=st.integers(4, 24), num_cpu=st.integers(0, 16), caching=st.booleans(),
-        evictor=st.sampled_from(sorted(EVICTORS)),
+        evictor=st.sampled_from(sorted(EVICTORS)), watermark=st.sampled_from([0.0, 0.0, 0.2]),
     )
-    def setup(self, num_gpu, num_cpu, caching, evictor):
+    def setup(self, num_gpu, num_cpu, caching, evictor, watermark):
         self.kv = KVCacheManager(BS, num_gpu, num_cpu, enable_prefix_caching=caching,
-                                 evictor=EVICTORS[evictor]() if caching else None, watermark=0.0)
+                                 evictor=EVICTORS[evictor]() if caching else None, watermark=watermark)
         self.shadow_gpu: dict[int, list[int | None]] = {}
         self.shadow_cpu: dict[int, list[int | None]] = {}
         self.groups: list[Request] = []          # resident on GPU
@@ -145,6 +145,8 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         for c, g in self.kv.swap_in(req.seqs):
             self.shadow_gpu[g] = list(self.shadow_cpu[c])
+        # Swapping in is new work: it must leave the watermark free.
+        assert self.kv.stats().num_free_gpu_blocks >= self.kv.watermark_blocks
         self.swapped.remove(req)
         self.groups.append(req)
 
@@ -163,7 +165,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             for b in t:
                 holders[b] += 1
         assert holders == pool.ref_cnt, f"{pool.name}: refcounts differ from table membership"
-        free = list(pool._free)
+        free = pool.uncached_free_blocks()
         evictable = [b for b in range(pool.num_blocks) if pool.evictor is not None and b in pool.evictor]
         assert len(set(free)) == len(free)
         assert not set(free) & set(evictable)

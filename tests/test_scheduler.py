@@ -7,7 +7,7 @@ outputs of an unpreempted run; budgets, FCFS order and liveness are checked too.
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, given, settings, strategies as st
+from hypothesis import event, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
@@ -20,7 +20,7 @@ EOS = 3
 
 
 def _pool_consistent(kv):
-    spares = [r for regions in getattr(kv, "_spares", {}).values() for r in regions]
+    spares = kv.spare_regions() if hasattr(kv, "spare_regions") else []
     for pool, tables in ((kv.gpu, kv.tables), (kv.cpu, kv.cpu_tables)):
         holders = [0] * pool.num_blocks
         for t in list(tables.values()) + (spares if pool is kv.gpu else []):
@@ -40,6 +40,44 @@ def solo_beam_result(prompt, params):
     return [(s.output_token_ids, round(s.cum_logprob, 9)) for s in req.finished_seqs]
 
 
+# What each victim policy promises, restated independently of policies/preemption.py.
+VICTIM_ORACLE = {
+    "newest": lambda cands: max(cands, key=lambda r: r.arrival_index),
+    "lowest-priority": lambda cands: max(cands, key=lambda r: (r.priority, r.arrival_index)),
+    "least-computed": lambda cands: min(cands, key=lambda r: (sum(s.num_computed_tokens for s in r.seqs),
+                                                              -r.arrival_index)),
+}
+
+
+class CheckedVictim:
+    """Wraps the registered victim policy: every choice must be the one its name promises."""
+
+    def __init__(self, name: str):
+        self.inner = PolicySet.from_names(victim=name).victim
+        self.name = name
+        self.choices = 0
+
+    def select(self, candidates):
+        chosen = self.inner.select(candidates)
+        want = VICTIM_ORACLE[self.name](candidates)
+        assert chosen is want, f"{self.name} victim policy chose {chosen} among {candidates}, not {want}"
+        self.choices += 1
+        return chosen
+
+
+class WatermarkProbe(ToyExecutor):
+    """Records the free GPU blocks while each step runs (after schedule(), before update())."""
+
+    def __init__(self, kv):
+        super().__init__()
+        self.kv = kv
+        self.free_during: list[int] = []
+
+    def execute_model(self, out):
+        self.free_during.append(self.kv.stats().num_free_gpu_blocks)
+        return super().execute_model(out)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         max_num_seqs=st.integers(1, 8), budget=st.integers(4, 48), extra_blocks=st.integers(0, 10),
@@ -48,10 +86,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         queue=st.sampled_from(["fcfs", "priority", "sjf", "lpm"]),
         victim=st.sampled_from(["newest", "lowest-priority", "least-computed"]),
         allocation=st.sampled_from(["paged", "paged", "paged", "orca-oracle", "orca-pow2", "orca-max"]),
-        long_prefill=st.sampled_from([0, 0, 3, 9]),
+        long_prefill=st.sampled_from([0, 0, 3, 9]), watermark=st.sampled_from([0.0, 0.1, 0.25, 0.25]),
     )
     def setup(self, max_num_seqs, budget, extra_blocks, num_cpu, chunked, caching, preemption, queue, victim,
-              allocation, long_prefill):
+              allocation, long_prefill, watermark):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
             if long_prefill:
@@ -65,11 +103,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                                    max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=chunked,
                                    long_prefill_token_threshold=long_prefill)
         self.cache = CacheConfig(block_size=BS, num_gpu_blocks=MAX_MODEL_LEN // BS + extra_blocks,
-                                 num_cpu_blocks=num_cpu, enable_prefix_caching=caching, watermark=0.0)
+                                 num_cpu_blocks=num_cpu, enable_prefix_caching=caching, watermark=watermark)
         self.victim, self.queue = victim, queue
-        self.sched = Scheduler(self.cfg, self.cache, PolicySet.from_names(queue=queue, preemption=preemption,
-                                                                          victim=victim, allocation=allocation))
-        self.executor = ToyExecutor()
+        policies = PolicySet.from_names(queue=queue, preemption=preemption, allocation=allocation)
+        policies.victim = self.checked_victim = CheckedVictim(victim)
+        self.sched = Scheduler(self.cfg, self.cache, policies)
+        self.executor = WatermarkProbe(self.sched.kv)
         self.engine = EngineCore(self.sched, self.executor)
         self.requests: dict[str, Request] = {}
         self.aborted: set[str] = set()
@@ -91,6 +130,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
+        self.busy_before_step = bool(self.sched.running or self.sched.swapped)
         result = self.engine.step()
         out = self.executor.steps[-1] if self.executor.steps else None
         self.finished.extend(result.finished)
@@ -105,6 +145,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.aborted.add(rid)
 
     def _check_step(self, out):
+        if out.admitted and self.busy_before_step:
+            # Admissions (the last thing schedule() does) leave the watermark free, so
+            # running sequences can still grow (an idle engine has nothing to protect).
+            assert self.executor.free_during[-1] >= self.sched.kv.watermark_blocks, "admission ate the watermark"
         assert out.num_batched_tokens <= self.cfg.max_num_batched_tokens
         assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
         assert len(out.scheduled) <= self.cfg.max_num_seqs * 1
@@ -157,13 +201,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sorted(ids) == sorted(self.requests), "a request was lost or reported twice"
         kv = self.sched.kv
         assert kv.gpu.num_used == 0 and kv.cpu.num_used == 0, "blocks leaked"
-        assert not getattr(kv, "_spares", None), "reserved regions leaked"
+        assert not (hasattr(kv, "spare_regions") and kv.spare_regions()), "reserved regions leaked"
         assert not kv.tables and not kv.cpu_tables
         event(f"preempted={self.sched.num_preemptions > 0}")
         event(f"swapped={self.sched.num_swaps > 0}")
-        event(f"prefix hits={kv.prefix_hits > 0}")
+        event(f"prefix hits={kv.stats().prefix_cache_hits > 0}")
         event(f"beam={any(r.params.beam_width for r in self.finished)}")
         event(f"allocation={self.sched.policies.allocation}")
+        event(f"watermark={self.sched.kv.watermark_blocks > 0}")
+        event(f"victim choices={min(self.checked_victim.choices, 2)}")
         for req in self.finished:
             if req.request_id in self.aborted:
                 assert req.status is RequestStatus.FINISHED_ABORTED
@@ -306,3 +352,46 @@ def test_beam_search_returns_ranked_beams():
     scores = [beam_score(s, 1.0) for s in beams]
     assert scores == sorted(scores, reverse=True)
     assert sched.kv.gpu.num_used == 0
+
+
+def test_recomputed_beams_sharing_a_cached_prefix_are_readmitted():
+    """Found by the machine: after a recompute, two beams revive the same cached prefix
+    blocks. Counting those blocks once per beam (and keeping the watermark with nothing
+    running) left the request waiting forever in an idle engine."""
+    engine, sched, ex = make_engine(max_num_seqs=6, max_num_batched_tokens=32, max_model_len=32,
+                                    enable_chunked_prefill=False, block_size=BS, num_gpu_blocks=9,
+                                    enable_prefix_caching=True, watermark=0.25)
+    shared = [7, 7, 8, 8, 9, 9, 10, 10]
+    engine.add_request(Request("n2", shared + [0, 0, 0], SamplingParams(n=2, max_tokens=4), eos_token_id=EOS))
+    engine.add_request(Request("beam", shared + [42, 0, 0], SamplingParams(beam_width=2, max_tokens=3),
+                               eos_token_id=EOS))
+    engine.run_until_done(200)
+    assert sched.num_preemptions > 0            # the beam request was recomputed ...
+    assert sched.kv.gpu.num_used == 0           # ... and everything finished
+
+
+def test_an_idle_engine_readmits_a_recomputed_group_larger_than_the_watermark_allows():
+    """A recomputed n=2 group re-prefills each sample privately: 2 x 4 blocks, more than the
+    8 - 2 the watermark leaves. With nothing running the watermark has nothing to protect."""
+    engine, sched, ex = make_engine(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=32, block_size=BS,
+                                    num_gpu_blocks=8, watermark=0.2)
+    engine.add_request(Request("c", [1], SamplingParams(max_tokens=8, ignore_eos=True), eos_token_id=EOS))
+    engine.add_request(Request("g", [2] * 6, SamplingParams(n=2, max_tokens=8, ignore_eos=True), eos_token_id=EOS))
+    engine.run_until_done(500)
+    assert sched.num_preemptions > 0
+    assert sched.kv.gpu.num_used == 0
+
+
+def test_admission_counts_a_shared_revived_block_once():
+    engine, sched, ex = make_engine(max_num_batched_tokens=64, max_model_len=20, block_size=BS, num_gpu_blocks=5,
+                                    enable_prefix_caching=True, watermark=0.0)
+    prompt = list(range(9))
+    engine.add_request(Request("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    engine.run_until_done(10)                   # its two full blocks stay cached, refcount 0
+    kv = sched.kv
+    twins = [Request(f"t{i}", prompt, SamplingParams(max_tokens=1)).seqs[0] for i in range(2)]
+    plan = [(seq, 1, kv.find_cached_prefix(seq)) for seq in twins]
+    assert [len(c) for _, _, c in plan] == [2, 2]
+    # Each needs one new block; the two cached blocks leave the free pool once: 2 + 2 = 4 <= 5.
+    assert kv.can_admit(plan)
+    assert sum(kv.blocks_needed(s, n, c) for s, n, c in plan) == 6   # per-sequence counts overlap

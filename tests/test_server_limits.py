@@ -61,7 +61,7 @@ def test_api_key_required_on_v1_and_protected_metrics(guarded):
     with httpx.Client(base_url=url, timeout=30) as anon:
         before = rejected(guarded, "invalid_api_key")
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
-                             ("POST", "/v1/nothing")):
+                             ("POST", "/v1/nothing"), ("GET", "/openapi.json")):
             resp = anon.request(method, path, json={"prompt": "hi"})
             e = _error(resp, 401)
             assert e["code"] == "invalid_api_key" and "Missing API key" in e["message"]
@@ -70,7 +70,7 @@ def test_api_key_required_on_v1_and_protected_metrics(guarded):
             e = _error(anon.get("/v1/models", headers={"Authorization": wrong}), 401)
             assert e["message"] == "Incorrect API key provided."
         assert anon.get("/health").json() == {"status": "ok"}          # always open
-        assert rejected(guarded, "invalid_api_key") == before + 8
+        assert rejected(guarded, "invalid_api_key") == before + 9
     bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -305,3 +305,24 @@ def test_second_signal_exits_at_once(tiny_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ----------------------------------------------------------------------------- bench chaos
+
+def test_bench_chaos_smoke(tiny_dir, tmp_path):
+    import argparse
+
+    from realexec import bench_chaos
+
+    out = tmp_path / "chaos.json"
+    args = bench_chaos.add_arguments(argparse.ArgumentParser()).parse_args([
+        "--model", tiny_dir, "--good", "6", "--bad", "12", "--disconnect", "2", "--slow", "2",
+        "--max-tokens", "4", "--request-timeout", "4", "--save-result", str(out),
+        "--server-args", "--num-gpu-blocks 512 --swap-space 0.01 --max-num-seqs 16"])
+    assert bench_chaos.run(args) == 0
+    r = json.loads(out.read_text())
+    b, c = r["baseline"], r["chaos"]
+    assert b["good_completed"] == b["good_equal_offline"] == c["good_completed"] == c["good_equal_offline"] == 6
+    assert c["bad_4xx"] == 12 and c["slow_timed_out"] == 2 and c["http_5xx"] == b["http_5xx"] == 0
+    assert c["kv_blocks_in_use_after"] == 0 and r["server_exit_code"] == 0 and r["server_peak_rss_mib"] > 0
+    assert c["rejected_by_reason"]["request_timeout"] == 2 and c["aborted"] == 4      # 2 slow + 2 gone

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -230,7 +231,10 @@ def test_sweep_writes_table(tmp_path):
     (["--model", "GPT-9"], "unknown model"),
     (["--hardware", "TPU"], "unknown hardware"),
     (["--rate", "-1"], "--rate"),
+    (["--queue-policy", "random"], "--queue-policy"),
     (["--queue", "random"], "--queue"),
+    (["--num-requests", "0"], "--num-requests"),
+    (["--watermark", "1"], "--watermark"),
     (["--tp", "3"], "tp=3"),
     (["--max-model-len", "100000"], "max-model-len"),
     (["--model", "Llama-2-70B", "--hardware", "A100-40G"], "weights"),
@@ -243,6 +247,60 @@ def test_bad_flags_exit_2(args, needle, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and needle in err and "Traceback" not in err
+
+
+def test_old_flag_spellings_still_work_with_a_warning(capsys):
+    from sim.cli import _config, build_parser
+    parser = build_parser()
+    new = _config(parser.parse_args(["run", "t.json", "--queue-policy", "lpm", "--preemption-mode", "swap",
+                                     "--victim-policy", "least-computed", "--eviction-policy", "lfu",
+                                     "--swap-space", "2", "--no-enable-chunked-prefill"]))
+    assert capsys.readouterr().err == ""
+    old = _config(parser.parse_args(["run", "t.json", "--queue", "lpm", "--preemption", "swap",
+                                     "--victim", "least-computed", "--eviction", "lfu", "--swap-space-gib", "2",
+                                     "--no-chunked-prefill"]))
+    assert old == new
+    assert (new.queue, new.preemption, new.swap_space_gib, new.enable_chunked_prefill) == ("lpm", "swap", 2.0, False)
+    err = capsys.readouterr().err
+    for flag, replacement in (("--queue", "--queue-policy"), ("--swap-space-gib", "--swap-space"),
+                              ("--no-chunked-prefill", "--no-enable-chunked-prefill")):
+        assert f"{flag} is deprecated; use {replacement}" in err
+
+
+def _help(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_queue_policy_and_hides_old_spellings(capsys):
+    from policies import REGISTRY
+    for command in ("run", "sweep", "compare", "sharing"):
+        text = _help(cli_main, [command], capsys)
+        assert " | ".join(REGISTRY["queue"]) in text and "lpm" in text
+        assert "--queue-policy" in text and "--queue " not in text and "--swap-space-gib" not in text
+        assert "most sequences running at once" in text        # --max-num-seqs has a description
+
+
+def test_sim_and_real_engine_share_flag_names(capsys):
+    """The knobs both backends have are spelled the same on both command lines."""
+    from realexec.cli import main as real_main
+    real = _help(real_main, ["serve"], capsys)
+    sim = _help(cli_main, ["run"], capsys)
+    for flag in ("--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                 "--num-gpu-blocks", "--gpu-memory-utilization", "--swap-space", "--enable-prefix-caching",
+                 "--no-enable-chunked-prefill", "--watermark", "--queue-policy", "--preemption-mode",
+                 "--victim-policy", "--eviction-policy", "--seed"):
+        assert re.search(rf"{flag}\b(?!-)", real) and re.search(rf"{flag}\b(?!-)", sim), flag
+
+
+def test_every_sim_config_field_is_a_flag():
+    import dataclasses
+    from sim.cli import _config, build_parser
+    from sim.engine import SimConfig
+    args = build_parser().parse_args(["run", "t.json"])
+    assert _config(args) == SimConfig()                      # flags' defaults are the config's
+    assert all(hasattr(args, f.name) for f in dataclasses.fields(SimConfig))
 
 
 def test_bad_trace_exit_2_no_traceback(tmp_path):

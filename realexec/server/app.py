@@ -109,7 +109,6 @@ class OpenAIServer:
     """State shared by the handlers: the async engine, the names served, limits, metrics."""
 
     def __init__(self, engine: "LLMEngine", served_model_names: list[str], config: ServerConfig):
-        config.validate()
         self.llm_engine = engine
         self.names = served_model_names
         self.config = config
@@ -326,12 +325,10 @@ class OpenAIServer:
 
 
 def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
-               served_model_name: str | list[str] | None = None,
-               max_waiting_requests: int | None = None, config: ServerConfig | None = None) -> FastAPI:
+               served_model_name: str | list[str] | None = None, config: ServerConfig | None = None) -> FastAPI:
     """Build the app around `engine` (or a new LLMEngine(engine_args)). The engine thread
     starts with the app (lifespan) and stops with it."""
-    if config is None:
-        config = ServerConfig(max_waiting_requests=max_waiting_requests)
+    config = config if config is not None else ServerConfig()
     config.validate()
     if engine is None:
         from realexec.engine import LLMEngine
@@ -452,8 +449,9 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
 
 class _Guard:
     """ASGI middleware in front of every route: the API key (401, compared in constant
-    time) on /v1/* (and /metrics with --protect-metrics), 503 for new /v1 requests while
-    draining, and the count of /v1 requests in flight (a stream counts until it ends)."""
+    time) on every route but /health (and /metrics unless --protect-metrics: the /v1 API,
+    the schema, the sleep-mode dev endpoints), 503 for new /v1 requests while draining,
+    and the count of /v1 requests in flight (a stream counts until it ends)."""
 
     def __init__(self, app, server: OpenAIServer):
         self.app = app
@@ -467,7 +465,7 @@ class _Guard:
         path: str = scope["path"]
         server = self.server
         api = path == "/v1" or path.startswith("/v1/")
-        protected = api or (path == "/metrics" and server.config.protect_metrics)
+        protected = path != "/health" and (path != "/metrics" or server.config.protect_metrics)
         if protected and self.expected is not None:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):

@@ -21,8 +21,9 @@ def _arg(default, help: str, type=None):
 @dataclass
 class ServerConfig:
     api_key: str | None = _arg(
-        None, f"require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); "
-              f"default: ${API_KEY_ENV} if set, else no auth")
+        None, f"require 'Authorization: Bearer KEY' on every route but /health (and /metrics unless "
+              f"--protect-metrics); 401 otherwise. Default: ${API_KEY_ENV} if set (preferred: a flag "
+              f"shows in the process list), else no auth")
     protect_metrics: bool = _arg(False, "also require the API key on /metrics (/health always stays open)")
     max_waiting_requests: int | None = _arg(
         None, "answer 503 (with Retry-After) when this many requests already wait for admission "

@@ -10,7 +10,7 @@ include_stop_str_in_output, cache_salt.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -74,6 +74,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None                # refused above n: candidates are not ranked here
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one entry per prompt (choices are prompt-major, then sample index)."""
@@ -89,6 +90,9 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         if self.echo:
             raise InvalidRequestError("invalid parameter echo=True: echo is not supported", "echo")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"invalid parameter best_of={self.best_of}: only best_of == n is supported "
+                                      f"(ask for n samples instead)", "best_of")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 

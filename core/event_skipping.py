@@ -1,0 +1,118 @@
+"""Event skipping for the simulator: run k steady decode steps of a scheduler at once.
+
+In a steady decode span every running sequence computes exactly one token per step,
+and nothing is admitted, swapped, preempted, copied or finished. The simulator asks
+`steady_decode_horizon` how long the span lasts, prices its steps, and applies them
+with `fast_forward`, which allocates (and publishes to the prefix cache) exactly as
+that many `schedule()` + `update()` calls would, so both modes give identical results
+(tests/test_event_skipping.py checks this under every registered policy combination).
+The real engine never uses this module.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from core.outputs import StepResult
+from core.request import Request, Sequence
+
+if TYPE_CHECKING:
+    from core.scheduler import Scheduler
+
+
+def steady_decode_horizon(sched: "Scheduler") -> int:
+    """How many upcoming steps, run one by one, would each schedule exactly one decode
+    token for every running sequence with no admission, swap, preemption, copy-on-write
+    or finish. 0 when the engine is not in such a steady state. Call between steps.
+
+    Admission during the span is ruled out by checking the queue's head once: with a
+    shrinking free pool the head stays inadmissible as long as the cache contents it
+    sees do not change. They change in two ways. New entries: assumed harmless (as the
+    simulator guarantees, a waiting prompt never contains the tokens running sequences
+    are generating). Evictions: they can shorten a waiting request's prefix hits (which
+    can lower its block demand) and reorder a cache-aware queue (lpm), so while a
+    request waits under prefix caching the span only uses blocks that evict nothing.
+    """
+    running = sched.running
+    if not running or sched.has_unreported_finishes:
+        return 0
+    cfg, kv = sched.config, sched.kv
+    horizon = cfg.max_model_len
+    seqs: list[Sequence] = []
+    for request in running:
+        params = request.params
+        if params.beam_width or not params.ignore_eos or params.stop_token_ids or \
+                (params.n > 1 and not request._forked):
+            return 0
+        for seq in request.seqs:
+            n = len(seq.token_ids)
+            if n - seq.num_computed_tokens != 1:
+                return 0                              # not a decode
+            left = cfg.max_model_len - n
+            if params.max_tokens is not None:
+                left = min(left, params.max_tokens - (n - seq.num_prompt_tokens))
+            if left - 1 < horizon:
+                horizon = left - 1                    # the step that finishes is run normally
+            seqs.append(seq)
+    if horizon <= 0 or len(seqs) > cfg.max_num_batched_tokens or kv.writes_into_shared_block(seqs):
+        return 0                                      # (the last: the next step copies on write)
+    if sched.swapped:
+        if kv.can_swap_in(sched.swapped[0].seqs):
+            return 0
+    elif len(sched.waiting) and sched.admits_next(cfg.max_num_batched_tokens - len(seqs)):
+        return 0
+    free = kv.free_blocks(evicting=not (kv.enable_prefix_caching and len(sched.waiting) and not sched.swapped))
+    # Largest k whose block growth fits the free pool (growth is monotone in k).
+    if kv.blocks_to_grow(seqs, horizon) <= free:
+        return horizon
+    lo, hi = 0, horizon                               # growth(lo) fits, growth(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kv.blocks_to_grow(seqs, mid) <= free:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def steady_decode_shape(sched: "Scheduler") -> tuple[int, int]:
+    """(num_seqs, sum of cached tokens) of the next steady decode step."""
+    num, ctx = 0, 0
+    for request in sched.running:
+        for seq in request.seqs:
+            num += 1
+            ctx += seq.num_computed_tokens
+    return num, ctx
+
+
+def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
+                 token_fn: Callable[[Sequence, int, int], list[int]]) -> StepResult:
+    """Apply k steady decode steps at once (k <= steady_decode_horizon(sched)).
+
+    Blocks are allocated and published in exactly the order k single steps would use
+    (`KVManager.advance_decodes`), so eviction and cache state match; per-token work is
+    a list extend. token_fn(seq, first_position, count) gives the sampled tokens.
+    """
+    if k <= 0:
+        return StepResult(updated=[], finished=[])
+    seqs = [seq for r in sched.running for seq in r.seqs]
+    for seq in seqs:
+        seq.token_ids.extend(token_fn(seq, len(seq.token_ids), k))
+    sched.kv.advance_decodes(seqs, k)
+    for seq in seqs:
+        seq.num_computed_tokens += k
+    times = step_end_times[:k]
+    last = times[-1]
+    for request in sched.running:
+        m = request.metrics
+        if m.first_token_time is None:        # the span's first step ended a prefill
+            m.first_token_time = times[0]
+        m.token_times.extend(times)
+        m.last_token_time = last
+    sched.num_steps += k
+    return StepResult(updated=list(sched.running), finished=[])
+
+
+def memory_breakdown(sched: "Scheduler") -> dict[str, int]:
+    """KV slots by category now: token_states, reserved, internal_frag, external_frag, free."""
+    head: Request | None = sched.waiting.peek() if len(sched.waiting) else None
+    return sched.kv.memory_breakdown(sched.running, head)

@@ -1,0 +1,179 @@
+"""SimConfig: every knob of a simulated deployment, and the CLI flags built from it.
+
+Each field declares its flag, help and argument type next to its default, so adding a
+knob is one line here (as `realexec/config.py` does for the real engine). Knobs both
+backends have use the real engine's flag names (`--queue-policy`, `--preemption-mode`,
+`--victim-policy`, `--eviction-policy`, `--swap-space`, `--enable-chunked-prefill`,
+...); the simulator's older spellings (`--queue`, `--preemption`, `--victim`,
+`--eviction`, `--swap-space-gib`, `--no-chunked-prefill`) still work for one release,
+hidden from --help, with a warning on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+from policies import REGISTRY
+from sim.specs import HARDWARE, MODELS
+
+DEFAULT_MODEL = "Llama-2-13B"
+DEFAULT_HARDWARE = "A100-40G"
+
+
+# -- argparse types: numbers with bounds and readable errors ---------------------------------
+def int_at_least(low: int):
+    """argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    return parse
+
+
+positive_int = int_at_least(1)
+nonneg_int = int_at_least(0)
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    v = _number(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    v = _number(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def fraction(text: str) -> float:
+    v = positive_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def unit_interval(text: str) -> float:
+    v = nonneg_float(text)
+    if v >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return v
+
+
+def _names(kind: str) -> str:
+    return " | ".join(REGISTRY[kind])
+
+
+def _knob(default, help: str, *, group: str = "deployment", flag: str | None = None, old: str | None = None,
+          type=None, metavar: str | None = None, choices=None):
+    """A SimConfig field with its flag: `flag` (default: --field-name), its argparse `type`,
+    and `old`, a deprecated spelling kept as a hidden alias."""
+    return field(default=default, metadata={"help": help, "group": group, "flag": flag, "old": old, "type": type,
+                                            "metavar": metavar, "choices": choices})
+
+
+@dataclass
+class SimConfig:
+    """Everything that defines a simulated deployment (the trace is separate)."""
+    model: str = _knob(DEFAULT_MODEL, f"model spec: {', '.join(MODELS)}", metavar="NAME")
+    hardware: str = _knob(DEFAULT_HARDWARE, f"accelerator: {', '.join(HARDWARE)}", metavar="NAME")
+    tp: int = _knob(1, "tensor-parallel degree", type=positive_int, metavar="N")
+    num_gpu_blocks: int | None = _knob(None, "KV blocks in the GPU pool (default: sized from memory like vLLM)",
+                                       type=positive_int, metavar="N")
+    gpu_memory_utilization: float = _knob(0.9, "fraction of GPU memory the engine may use", type=fraction,
+                                          metavar="F")
+    swap_space_gib: float = _knob(4.0, "GiB of CPU memory per GPU for swapped-out KV blocks (0 disables swapping)",
+                                  flag="--swap-space", old="--swap-space-gib", type=nonneg_float, metavar="GIB")
+    block_size: int = _knob(16, "tokens per KV block", type=positive_int, metavar="N")
+    max_num_seqs: int = _knob(256, "most sequences running at once (the batch of one step; parallel samples and "
+                                   "beams count one each)", type=positive_int, metavar="N")
+    max_num_batched_tokens: int | None = _knob(
+        None, "most tokens computed in one step (default: 2048; without chunked prefill at least max-model-len)",
+        type=positive_int, metavar="N")
+    max_model_len: int | None = _knob(None, "prompt + output tokens of one sequence (default: the model's context, "
+                                            "capped at what the KV cache holds)", type=positive_int, metavar="N")
+    enable_chunked_prefill: bool = _knob(True, "split long prompts over several steps", old="--no-chunked-prefill")
+    enable_prefix_caching: bool = _knob(False, "reuse KV blocks of identical prompt prefixes")
+    watermark: float = _knob(0.01, "fraction of KV blocks new admissions must leave free", type=unit_interval,
+                             metavar="F")
+    queue: str = _knob("fcfs", f"waiting-queue order: {_names('queue')}", group="policies", flag="--queue-policy",
+                       old="--queue", choices=list(REGISTRY["queue"]), metavar="NAME")
+    preemption: str = _knob("recompute", f"preemption mode: {_names('preemption')}", group="policies",
+                            flag="--preemption-mode", old="--preemption", choices=list(REGISTRY["preemption"]),
+                            metavar="NAME")
+    victim: str = _knob("newest", f"preemption victim: {_names('victim')}", group="policies",
+                        flag="--victim-policy", old="--victim", choices=list(REGISTRY["victim"]), metavar="NAME")
+    eviction: str = _knob("lru", f"cached-block eviction: {_names('eviction')}", group="policies",
+                          flag="--eviction-policy", old="--eviction", choices=list(REGISTRY["eviction"]),
+                          metavar="NAME")
+    allocation: str = _knob("paged", f"KV allocation: {_names('allocation')}: paged blocks, or an Orca-style "
+                                     "contiguous region per sequence reserved for max_model_len / the next power "
+                                     "of two of / exactly its final length (no prefix caching, no swapping: swap "
+                                     "preemption recomputes)", group="policies",
+                            choices=list(REGISTRY["allocation"]), metavar="NAME")
+    n: int = _knob(1, "parallel samples per request", group="workload", type=positive_int, metavar="N")
+    beam_width: int = _knob(0, "beam search width, 0 = off; each beam draws 2W candidates with random log-probs, "
+                               "so which beams survive is random (seeded by --seed; see sim/workloads.py)",
+                            group="workload", type=nonneg_int, metavar="W")
+    seed: int = _knob(0, "arrival and beam-model seed", group="workload", type=int, metavar="S")
+    event_skipping: bool = _knob(True, "skip steady decode spans in bulk (--no-event-skipping: every step one by "
+                                       "one; slower, same results)", group="simulator")
+
+
+class _Deprecated(argparse.Action):
+    """A hidden old spelling: stores like the new flag and says so on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, value=None, **kwargs):
+        self.new, self.value = new, value
+        super().__init__(option_strings, dest, nargs=0 if value is not None else None, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, self.value if self.value is not None else values)
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """One flag per SimConfig field, in groups (returned so callers can add to them)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(SimConfig):
+        meta = f.metadata
+        group = groups.get(meta["group"])
+        if group is None:
+            group = groups[meta["group"]] = parser.add_argument_group(meta["group"])
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        help = meta["help"] + (f" (default: {f.default})" if f.default is not None else "")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction,
+                               help=help)
+            if meta["old"]:                 # e.g. --no-chunked-prefill
+                group.add_argument(meta["old"], dest=f.name, action=_Deprecated, new=f"--no-{flag[2:]}",
+                                   value=not f.default, help=argparse.SUPPRESS)
+            continue
+        group.add_argument(flag, dest=f.name, default=f.default, type=meta["type"] or str, metavar=meta["metavar"],
+                           choices=meta["choices"], help=help)
+        if meta["old"]:
+            group.add_argument(meta["old"], dest=f.name, action=_Deprecated, new=flag, type=meta["type"] or str,
+                               choices=meta["choices"], help=argparse.SUPPRESS)
+    return groups
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
