@@ -1,0 +1,187 @@
+"""Calibrating the twin: profile the real engine, fit the step cost, price the simulator
+with it, and replay the real engine's decisions through the simulator's core."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from core.cost_fit import (FAMILIES, StepCostEvaluator, check_model, choose_family, feature_values, fit_nonneg,
+                           fit_step_cost, shape_of)
+from sim.config import SimConfig
+from sim.cost_model import BatchShape, RooflineCostModel
+from sim.engine import simulate
+from sim.fitted_cost import FittedCostModel
+from sim.specs import get_hardware, get_model
+from traces.model import Trace, TraceRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def synthetic_samples(execute: dict, overhead: dict, noise: float = 0.0, seed: int = 0) -> list[dict]:
+    """Steps over a prefill/decode/mixed grid, timed by known linear models per part."""
+    import random
+
+    rng = random.Random(seed)
+    batches = [[(p, c)] for p in (8, 32, 128, 512) for c in (0, 256, 1024)]
+    batches += [[(1, c)] * b for b in (1, 2, 4, 8, 16, 32) for c in (16, 200, 800)]
+    batches += [[(1, 100)] * b + [(p, 0)] for b in (2, 8) for p in (16, 256)]
+    out = []
+    for batch in batches:
+        seqs, tokens, context, pairs = shape_of([c for _, c in batch], [n for n, _ in batch])
+        v = feature_values(seqs, tokens, context, pairs)
+        phase = "prefill" if tokens > seqs else "decode"
+        t = {part: sum(c * v[f] for f, c in coefs[phase].items()) * (1 + rng.uniform(-noise, noise))
+             for part, coefs in (("execute", execute), ("overhead", overhead))}
+        out.append({"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
+                    "execute_s": t["execute"], "overhead_s": t["overhead"]})
+    return out
+
+
+TRUE_EXECUTE = {"prefill": {"one": 2e-3, "tokens": 1e-4, "pairs": 2e-8},
+                "decode": {"one": 3e-3, "seqs": 2e-4, "context": 1e-7}}
+TRUE_OVERHEAD = {"prefill": {"one": 5e-4, "seqs": 5e-5}, "decode": {"one": 4e-4, "seqs": 3e-5}}
+
+
+# ----------------------------------------------------------------------------- the fit
+
+def test_fit_recovers_known_step_costs_and_picks_the_terms_that_predict():
+    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    check_model(model)
+    ev = StepCostEvaluator(model)
+    for phase, truth in TRUE_EXECUTE.items():
+        entry = model["parts"]["execute"][phase]
+        got = dict(zip(entry["features"], entry["coef"]))
+        if phase == "decode":              # one token per sequence: tokens and seqs are the same column
+            got["seqs"] = got.get("seqs", 0.0) + got.pop("tokens", 0.0)
+        assert set(truth) <= {f for f, c in got.items() if c}, (phase, entry["family"])
+        for f, c in truth.items():
+            assert got[f] == pytest.approx(c, rel=1e-6)
+    # the evaluator sums both parts
+    shape = (4, 4, 400, 404)
+    v = feature_values(*shape)
+    want = sum(c * v[f] for part in (TRUE_EXECUTE, TRUE_OVERHEAD) for f, c in part["decode"].items())
+    assert ev.step_time(*shape) == pytest.approx(want, rel=1e-6)
+    for e in model["held_out_step"].values():
+        assert e["p90"] < 1e-6
+
+
+def test_held_out_error_prefers_the_simpler_family_on_noisy_data():
+    """A cost with no context dependence: the extra terms only fit noise, and must not win."""
+    flat = {"prefill": {"one": 1e-3, "tokens": 1e-4}, "decode": {"one": 2e-3, "seqs": 1e-4}}
+    samples = synthetic_samples(flat, flat, noise=0.05, seed=3)
+    rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"]) for s in samples
+            if s["tokens"] > s["seqs"]]
+    y = [s["execute_s"] for s in samples if s["tokens"] > s["seqs"]]
+    family, report = choose_family(rows, y)
+    assert family == "tokens", report
+    assert report["const"]["mean"] > report["tokens"]["mean"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 500), st.integers(0, 3000)), min_size=3, max_size=30),
+       st.lists(st.floats(0, 1e-3), min_size=4, max_size=4))
+def test_fitted_coefficients_are_never_negative_and_predictions_positive(shapes, coef):
+    rows = [[1.0, float(n), float(c), float(n * c)] for n, c in shapes]
+    y = [1e-4 + sum(a * b for a, b in zip(coef, r)) - 1e-7 * r[2] for r in rows]   # a falling term
+    y = [max(t, 1e-6) for t in y]
+    got = fit_nonneg(rows, y)
+    assert all(c >= 0 for c in got)
+    assert all(sum(a * b for a, b in zip(got, r)) >= 0 for r in rows)
+
+
+def test_a_malformed_model_file_is_refused_with_the_reason(tmp_path):
+    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    bad = json.loads(json.dumps(model))
+    bad["parts"]["execute"]["decode"]["coef"][0] = -1.0
+    with pytest.raises(ValueError, match="execute/decode.*>= 0"):
+        check_model(bad)
+    bad = json.loads(json.dumps(model))
+    del bad["parts"]["overhead"]["prefill"]
+    with pytest.raises(ValueError, match="no overhead model for prefill"):
+        check_model(bad)
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        FittedCostModel.from_file(str(tmp_path / "x.json"), None)
+
+
+# ----------------------------------------------------------------------------- the simulator side
+
+def _fitted(model: dict) -> FittedCostModel:
+    return FittedCostModel(model, RooflineCostModel(get_model("SmolLM2-135M"), get_hardware("cpu-2core")))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 5000), st.integers(0, 50))
+def test_decode_step_times_equal_step_time_bit_for_bit(n, ctx, k):
+    cm = _fitted(fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD)))
+    want = [cm.step_time(BatchShape.decode(n, ctx + j * n)) for j in range(k)]
+    assert cm.decode_step_times(n, ctx, k) == want
+
+
+def test_the_simulator_charges_the_fitted_step_times(tmp_path):
+    """One request alone: its latency is exactly the fitted prefill step plus its decode steps."""
+    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(model))
+    prompt, out = 40, 12
+    trace = Trace([TraceRequest("a", 0.0, prompt, out)])
+    ev = StepCostEvaluator(model)
+    want = ev.step_time(1, prompt, 0, prompt * (prompt + 1) // 2)
+    want += sum(ev.step_time(1, 1, prompt + j, prompt + j + 1) for j in range(out - 1))
+    for skipping in (True, False):
+        cfg = SimConfig(model="SmolLM2-135M", hardware="cpu-2core", cost_model=str(path), num_gpu_blocks=64,
+                        event_skipping=skipping)
+        (rec,) = simulate(cfg, trace).records
+        assert rec.finished_time - rec.arrival_time == pytest.approx(want, rel=1e-9)
+    roof = simulate(SimConfig(model="SmolLM2-135M", hardware="cpu-2core", num_gpu_blocks=64), trace).records[0]
+    assert roof.finished_time != pytest.approx(want, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_profile_fit_simulate_end_to_end(tiny, tmp_path):
+    prof = tmp_path / "profile.json"
+    r = subprocess.run([PY, "-m", "realexec", "profile", "--model", tiny, "--quick", "--repeats", "2",
+                        "--block-size", "4", "--num-gpu-blocks", "256", "--swap-space", "0.01", "--out", str(prof)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "held-out error of the whole step time" in r.stdout
+    model = json.loads(prof.read_text())
+    check_model(model)
+    samples = model["samples"]
+    kinds = {("prefill" if s["tokens"] > s["seqs"] else "decode", s["seqs"] > 1) for s in samples}
+    assert kinds == {("prefill", False), ("prefill", True), ("decode", False), ("decode", True)}  # mixed too
+    assert {s["context"] > 0 for s in samples if s["tokens"] > s["seqs"]} == {True, False}   # chunked prefill
+    for s in samples:      # where the time went adds up
+        assert s["execute_s"] > 0 and s["step_s"] >= s["execute_s"]
+        assert s["forward_s"] + s["prepare_s"] <= s["execute_s"] + 1e-4
+    assert set(model["held_out_step"]) == {"prefill", "decode"}
+    assert model["profile"]["overhead_mean_s"]["scheduler_s"] > 0
+
+    run = subprocess.run([PY, "-m", "sim", "run", "traces/sharegpt.json", "--num-requests", "8", "--rate", "4",
+                          "--model", "SmolLM2-135M", "--hardware", "cpu-2core", "--cost-model", str(prof),
+                          "--out", str(tmp_path / "run"), "--quiet"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["cost_model"] == str(prof)
