@@ -27,7 +27,7 @@ from core import SamplingParams
 from core.cost_fit import PHASES, fit_step_cost, phase_of, shape_of
 from realexec.config import add_engine_args, engine_args_from_namespace
 
-FULL_CHUNK, QUICK_CHUNK = 512, 32
+FULL_CHUNK, QUICK_CHUNK = 256, 32
 
 
 def add_arguments(parser) -> None:
@@ -46,9 +46,9 @@ def grid(chunk: int, quick: bool) -> list[tuple[str, dict]]:
         mixed = [(2, 8, p) for p in (8, chunk)]
         decode_tokens = 4
     else:
-        prefill = [(p, c) for p in (16, 64, 128, 256, chunk) if p <= chunk for c in (0, chunk, 2 * chunk)]
-        decode = [(b, length) for b in (1, 2, 4, 8, 16, 32) for length in (32, 128, 512) if b * length <= 4096]
-        mixed = [(b, 64, p) for b in (4, 16) for p in (32, 128, chunk)]
+        prefill = [(p, c) for p in sorted({16, 64, 128, chunk}) if p <= chunk for c in (0, chunk, 2 * chunk)]
+        decode = [(b, length) for b in (1, 2, 4, 8, 16, 32) for length in (32, 128, 384) if b * length <= 2048]
+        mixed = [(b, 64, p) for b in (4, 16) for p in (32, chunk)]
         decode_tokens = 8
     work = [("prefill", {"tokens": p, "context": c}) for p, c in prefill]
     work += [("decode", {"batch": b, "prompt": length, "max_tokens": decode_tokens}) for b, length in decode]

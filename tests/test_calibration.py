@@ -185,3 +185,84 @@ def test_profile_fit_simulate_end_to_end(tiny, tmp_path):
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["config"]["cost_model"] == str(prof)
+
+
+# ----------------------------------------------------------------------------- decision replay
+
+@pytest.fixture(scope="module")
+def smollm_log(tmp_path_factory) -> Path:
+    """A real SmolLM2 run with --step-log: staggered arrivals, chunked prefill, and a KV
+    pool small enough that the newest request is preempted (recompute) and resumed."""
+    from core import SamplingParams
+    from realexec.config import EngineArgs
+    from realexec.engine import LLMEngine
+
+    path = tmp_path_factory.mktemp("steplog") / "steps.jsonl"
+    engine = LLMEngine(EngineArgs(block_size=4, num_gpu_blocks=20, max_num_batched_tokens=24,
+                                  swap_space=0.01, step_log=str(path)))
+    try:
+        prompts = [[100 + 7 * i + j for j in range(18 + 2 * i)] for i in range(4)]
+        lens = [12, 14, 12, 10]
+        for i in range(2):
+            engine.add_request(prompts[i], SamplingParams(max_tokens=lens[i], temperature=0.0, ignore_eos=True),
+                               request_id=f"r{i}")
+        for _ in range(3):
+            engine.step()
+        for i in range(2, 4):
+            engine.add_request(prompts[i], SamplingParams(max_tokens=lens[i], temperature=0.0, ignore_eos=True),
+                               request_id=f"r{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.shutdown()
+    return path
+
+
+def test_replay_of_a_real_smollm2_run_takes_the_same_decisions(smollm_log):
+    from core.step_log import read_log
+    from sim.replay import replay
+
+    records = list(read_log(str(smollm_log)))
+    steps = [r for r in records if r["kind"] == "step"]
+    decisions = [s["decision"] for s in steps]
+    assert any(d["preempted"] for d in decisions), "the run was meant to preempt"
+    assert any(len(d["batch"]) > 1 and any(b[2] > 1 for b in d["batch"]) for d in decisions)  # mixed step
+    assert {r["step"] for r in records if r["kind"] == "arrival"} == {0, 3}
+    assert all(s["t_end"] >= s["t_start"] and s["step_s"] >= s["execute_s"] > 0 for s in steps)
+    report = replay(str(smollm_log))
+    assert report.equal, report.first_divergence
+    assert report.num_equal_steps == len(steps) > 5
+
+
+def test_replay_reports_the_first_step_that_differs(smollm_log, tmp_path):
+    from core.step_log import read_log
+
+    records = list(read_log(str(smollm_log)))
+    steps = [r for r in records if r["kind"] == "step"]
+    k = len(steps) // 2
+    steps[k]["decision"]["batch"][0][2] += 1          # the real engine "computed" one more token
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = subprocess.run([PY, "-m", "sim", "replay", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"DIVERGE at step {k}" in r.stdout and "batch" in r.stdout
+    ok = subprocess.run([PY, "-m", "sim", "replay", str(smollm_log)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0 and "identical at every step" in ok.stdout, ok.stdout + ok.stderr
+
+
+def test_replay_refuses_logs_it_cannot_reproduce(smollm_log, tmp_path):
+    from core.step_log import read_log
+
+    records = list(read_log(str(smollm_log)))
+    for rec in records:
+        if rec["kind"] == "finish" and rec["req_id"] == "r1":
+            rec["status"] = "abort"
+    bad = tmp_path / "abort.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = subprocess.run([PY, "-m", "sim", "replay", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "r1 ended abort" in r.stderr
+    (tmp_path / "junk.jsonl").write_text("{}\nnot json\n")
+    r = subprocess.run([PY, "-m", "sim", "replay", str(tmp_path / "junk.jsonl")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "junk.jsonl:1" in r.stderr
