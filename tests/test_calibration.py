@@ -147,25 +147,36 @@ def test_the_simulator_charges_the_fitted_step_times(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer (so the server can take text prompts)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from realexec.bench_throughput import model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir(None))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
     return str(path)
 
 
-def test_profile_fit_simulate_end_to_end(tiny, tmp_path):
-    prof = tmp_path / "profile.json"
+@pytest.fixture(scope="module")
+def tiny_profile(tiny, tmp_path_factory) -> tuple[Path, str]:
+    prof = tmp_path_factory.mktemp("profile") / "profile.json"
     r = subprocess.run([PY, "-m", "realexec", "profile", "--model", tiny, "--quick", "--repeats", "2",
                         "--block-size", "4", "--num-gpu-blocks", "256", "--swap-space", "0.01", "--out", str(prof)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "held-out error of the whole step time" in r.stdout
+    return prof, r.stdout
+
+
+def test_profile_fit_simulate_end_to_end(tiny_profile, tmp_path):
+    prof, stdout = tiny_profile
+    assert "held-out error of the whole step time" in stdout
     model = json.loads(prof.read_text())
     check_model(model)
     samples = model["samples"]
@@ -185,6 +196,30 @@ def test_profile_fit_simulate_end_to_end(tiny, tmp_path):
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["config"]["cost_model"] == str(prof)
+
+
+def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_path):
+    from sim.validate import workload_from_log
+
+    prof, _ = tiny_profile
+    out = tmp_path / "validate"
+    r = subprocess.run([PY, "-m", "sim", "validate", "traces/sharegpt.json", "--cost-model", str(prof),
+                        "--rate", "8", "--num-requests", "4", "--max-tokens-cap", "4", "--out", str(out),
+                        "--engine-args", f"--model {tiny} --block-size 16 --num-gpu-blocks 128 --swap-space 0.01"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sim vs real1" in r.stdout and "real2 vs real1" in r.stdout
+    report = json.loads((out / "report.json").read_text())
+    for name in ("sim vs real1", "sim vs engine1", "real2 vs real1"):
+        errs = report["errors"][name]
+        assert set(errs) == {"output_throughput"} | {f"{q}_{m}" for m in ("ttft", "tpot", "e2el")
+                                                     for q in ("median", "p90")}
+        assert all(e == e for e in errs.values())          # no NaN: every metric was measured
+    assert (out / "validate.png").stat().st_size > 10_000
+    _, trace, _ = workload_from_log(out / "real1.steps.jsonl")     # the simulated workload is the served one
+    bench = json.loads((out / "real1.bench.json").read_text())
+    assert sorted(r.output_len for r in trace.requests) == sorted(bench["output_lens"])
+    assert sorted(r.prompt_len for r in trace.requests) == sorted(bench["input_lens"])
 
 
 # ----------------------------------------------------------------------------- decision replay
