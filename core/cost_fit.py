@@ -188,6 +188,7 @@ def fit_step_cost(samples: Sequence[dict], k: int = 5, seed: int = 0) -> dict:
             model["parts"][part][phase] = {"family": family, "features": list(feats), "coef": coef,
                                            "held_out": report}
     model["held_out_step"] = held_out_step_error(samples, model, k, seed)
+    model["repeat_noise"] = repeat_noise(samples)
     return model
 
 
@@ -217,6 +218,24 @@ def held_out_step_error(samples: Sequence[dict], model: dict, k: int = 5, seed: 
             errs += relative_errors(pred, [chosen[i]["execute_s"] + chosen[i]["overhead_s"] for i in held])
         out[phase] = summarize_errors(errs)
     return out
+
+
+def repeat_noise(samples: Sequence[dict]) -> dict:
+    """The error floor the machine sets: per phase, the relative error of predicting each
+    step's time by the mean of the other steps of exactly the same shape (repeats). A
+    model of the shape alone cannot beat it on average; compare it with `held_out_step`."""
+    groups: dict[tuple, list[float]] = {}
+    for s in samples:
+        key = (s["seqs"], s["tokens"], s["context"], s["pairs"])
+        groups.setdefault(key, []).append(s["execute_s"] + s["overhead_s"])
+    errs: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    for (seqs, tokens, _, _), times in groups.items():
+        if len(times) < 2:
+            continue
+        total = sum(times)
+        for t in times:
+            errs[phase_of(seqs, tokens)].append(abs((total - t) / (len(times) - 1) - t) / t)
+    return {phase: summarize_errors(e) for phase, e in errs.items() if e}
 
 
 def check_model(model: dict, where: str = "cost model") -> None:

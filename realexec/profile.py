@@ -167,6 +167,10 @@ def format_report(model: dict) -> str:
     for phase, e in model["held_out_step"].items():
         lines.append(f"  {phase:8s} mean {e['mean'] * 100:.2f}%  median {e['median'] * 100:.2f}%  "
                      f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
+    lines.append("same-shape repeats vs the mean of the others (the machine's noise floor for any shape model):")
+    for phase, e in model.get("repeat_noise", {}).items():
+        lines.append(f"  {phase:8s} mean {e['mean'] * 100:.2f}%  median {e['median'] * 100:.2f}%  "
+                     f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
     o = model["profile"]["overhead_mean_s"]
     lines.append("mean per step (ms): " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in o.items()))
     return "\n".join(lines)

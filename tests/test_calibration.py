@@ -301,3 +301,14 @@ def test_replay_refuses_logs_it_cannot_reproduce(smollm_log, tmp_path):
     r = subprocess.run([PY, "-m", "sim", "replay", str(tmp_path / "junk.jsonl")], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "junk.jsonl:1" in r.stderr
+
+
+def test_repeat_noise_is_zero_for_exact_repeats_and_grows_with_their_spread():
+    from core.cost_fit import repeat_noise
+
+    base = synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD)
+    exact = repeat_noise(base + base)
+    assert set(exact) == {"prefill", "decode"} and all(e["p90"] < 1e-12 for e in exact.values())
+    slower = [dict(s, execute_s=2 * s["execute_s"], overhead_s=2 * s["overhead_s"]) for s in base]
+    spread = repeat_noise(base + slower)        # each shape seen at t and 2t: errors 1 and 1/2
+    assert all(e["mean"] == pytest.approx(0.75) for e in spread.values())
