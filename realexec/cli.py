@@ -37,6 +37,8 @@ COMMANDS: dict[str, Command | dict] = {
                         "realexec.cli:run_generate"),
     "serve": Command("OpenAI-compatible HTTP server (completions, chat, models, health, metrics)",
                      "realexec.server.cli:add_serve_arguments", "realexec.server.cli:run_serve"),
+    "profile": Command("time real engine steps over a grid and fit the simulator's step-cost model",
+                       "realexec.profile:add_arguments", "realexec.profile:run"),
     "bench": {
         "throughput": Command("offline throughput on a trace: our engine vs HF transformers generate",
                               "realexec.bench_throughput:add_arguments", "realexec.bench_throughput:run"),

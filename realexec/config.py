@@ -72,6 +72,9 @@ class EngineArgs:
               "at most 1, so that any tensor-parallel size fits on a small machine)")
     enable_sleep_mode: bool = _arg(
         False, "serve: expose POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (development endpoints)")
+    step_log: str | None = _arg(
+        None, "write each step's scheduling decision and timestamps to this JSON-lines file "
+              "(python -m sim replay LOG checks the simulator's core decides the same)")
     worker_timeout: float = _arg(
         120.0, "mp/ray: seconds a step or RPC may wait on a worker before it is declared hung")
 

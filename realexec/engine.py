@@ -134,6 +134,10 @@ class LLMEngine:
         self.sleep_level = 0
         # step() and sleep()/wake_up() may come from different threads (server endpoints).
         self._lock = threading.RLock()
+        self.step_recorder = None
+        if args.step_log:
+            from realexec.step_recorder import StepRecorder
+            self.step_recorder = StepRecorder(self, args.step_log, keep=False)
 
     def _resolve_max_model_len(self, num_gpu_blocks: int) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -361,6 +365,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (processes, Ray actors); idempotent."""
+        if self.step_recorder is not None:
+            self.step_recorder.close()
         self.executor.shutdown()
 
     # -- introspection ------------------------------------------------------------------------

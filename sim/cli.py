@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from policies import REGISTRY
-from sim import compare, search
+from sim import compare, replay, search, validate
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
                         positive_int)
 from sim.engine import ResolvedConfig, resolve, simulate
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sim",
         description="Discrete-event simulation of paged-KV LLM serving: the twinserve core scheduler "
                     "and block manager on a simulated clock priced by a roofline cost model.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,sharing,search}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,sharing,search,replay,validate}")
     run = sub.add_parser("run", help="simulate one trace and write results",
                          description="Simulate one trace; writes requests.csv, summary.json and "
                                      "timeseries.csv to --out and prints a summary table.")
@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--out", default="results/sharing.csv", metavar="CSV", help="CSV to write (default: %(default)s)")
     sh.add_argument("--plot", default=None, metavar="DIR", help="write sharing_savings.png to DIR")
     search.add_parser(sub)
+    replay.add_parser(sub)
+    validate.add_parser(sub)
     return parser
 
 
@@ -383,6 +385,20 @@ def _cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    try:
+        return replay.cmd_replay(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        return validate.cmd_validate(args)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+
+
 def _fmt_ms(v) -> str:
     return "      -" if v is None else f"{v * 1e3:7.1f} ms"
 
@@ -392,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "sharing": cmd_sharing,
-                "search": _cmd_search}[args.command](args)
+                "search": _cmd_search, "replay": _cmd_replay,
+                "validate": _cmd_validate}[args.command](args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -134,6 +134,10 @@ class SimConfig:
                                "so which beams survive is random (seeded by --seed; see sim/workloads.py)",
                             group="workload", type=nonneg_int, metavar="W")
     seed: int = _knob(0, "arrival and beam-model seed", group="workload", type=int, metavar="S")
+    cost_model: str | None = _knob(None, "price steps with the model fitted by `python -m realexec profile` (that "
+                                         "JSON file; per-step overhead included; swaps still use the roofline's "
+                                         "PCIe term) instead of the roofline of --model on --hardware",
+                                   group="simulator", metavar="FILE")
     event_skipping: bool = _knob(True, "skip steady decode spans in bulk (--no-event-skipping: every step one by "
                                        "one; slower, same results)", group="simulator")
 

@@ -47,6 +47,7 @@ from core.metrics import RequestRecord
 from policies import PolicySet
 from sim.config import SimConfig
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
+from sim.fitted_cost import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
 from sim.memory import MemoryAccumulator, SpanModel, sample as memory_sample
 from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
@@ -119,6 +120,8 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         raise ValueError(f"allocation {c.allocation} has no prefix cache (a contiguous region per sequence, "
                          f"nothing shared): drop --enable-prefix-caching or use --allocation paged")
     RooflineCostModel(model, hw, c.tp)         # validates tp against the model's heads
+    if c.cost_model is not None:
+        FittedCostModel.from_file(c.cost_model, RooflineCostModel(model, hw, c.tp))   # fails early, naming the file
 
     if c.max_model_len is not None and c.max_model_len > model.max_model_len:
         raise ValueError(f"max-model-len {c.max_model_len} exceeds {model.name}'s context of "
@@ -198,6 +201,8 @@ class SimEngine:
         self.trace = trace
         self.scheduler = Scheduler(resolved.scheduler, resolved.cache, resolved.policies())
         cost_model = RooflineCostModel(resolved.model, resolved.hardware, cfg.tp)
+        if cfg.cost_model is not None:
+            cost_model = FittedCostModel.from_file(cfg.cost_model, swap_fallback=cost_model)
         self.executor = SimExecutor(cost_model, resolved.block_bytes, seed=cfg.seed)
         self.executor.fast_tokens = cfg.n == 1 and not cfg.beam_width
         self.event_skipping = cfg.event_skipping

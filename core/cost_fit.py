@@ -1,0 +1,287 @@
+"""Fitted step-cost models: the math both `realexec profile` (which fits) and the
+simulator (which evaluates) use, on plain JSON. Pure Python: no numpy, no torch.
+
+A step is described by four sums over its scheduled slices (new tokens n_i after c_i
+cached ones): seqs, tokens = sum n_i, context = sum c_i, pairs = sum n_i*c_i + n_i(n_i+1)/2
+(causal query-key pairs). Its time is split in two parts, fitted separately:
+  * "execute": inside the executor (input preparation, forward, sampling, RPC);
+  * "overhead": the rest of the engine step (scheduling, update, detokenization).
+Each part has one linear model per phase ("prefill": any slice longer than one token,
+mixed batches included; "decode": one token per sequence), on a family of features
+chosen by held-out error (k-fold cross-validation of the relative error): the fewest
+features that reach near the best error win, so a term is kept only if it predicts.
+
+Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
+step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
+step faster; a negative term is dropped and the rest refitted).
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Iterable, Sequence
+
+FORMAT = "twinserve-step-cost"
+VERSION = 1
+PHASES = ("prefill", "decode")
+PARTS = ("execute", "overhead")
+FEATURES = ("one", "seqs", "tokens", "context", "pairs")
+# Candidate families, simplest first (each a tuple of FEATURES names).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "const": ("one",),
+    "tokens": ("one", "tokens"),
+    "tokens+seqs": ("one", "tokens", "seqs"),
+    "tokens+seqs+context": ("one", "tokens", "seqs", "context"),
+    "tokens+seqs+pairs": ("one", "tokens", "seqs", "pairs"),
+    "full": ("one", "tokens", "seqs", "context", "pairs"),
+}
+# A simpler family wins unless a richer one cuts the held-out error by more than this
+# fraction of it (guards against chasing noise with extra terms).
+SIMPLER_TOLERANCE = 0.02
+
+
+def phase_of(seqs: int, tokens: int) -> str:
+    """'prefill' when some slice has more than one token (tokens > seqs), else 'decode'."""
+    return "prefill" if tokens > seqs else "decode"
+
+
+def feature_values(seqs: int, tokens: int, context: int, pairs: int) -> dict[str, float]:
+    return {"one": 1.0, "seqs": float(seqs), "tokens": float(tokens), "context": float(context),
+            "pairs": float(pairs)}
+
+
+def shape_of(starts: Sequence[int], num_tokens: Sequence[int]) -> tuple[int, int, int, int]:
+    """(seqs, tokens, context, pairs) of a batch given per slice its start and length."""
+    pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(num_tokens, starts))
+    return len(starts), sum(num_tokens), sum(starts), pairs
+
+
+# -- least squares --------------------------------------------------------------------------
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Non-negative coefficients minimising sum(((y - x.b) / y)^2). Columns are scaled to
+    unit max for conditioning; a column that is constant zero, collinear, or would get a
+    negative coefficient is dropped (coefficient 0) and the rest refitted."""
+    if not rows:
+        raise ValueError("no samples to fit")
+    if any(v <= 0 for v in y):
+        raise ValueError("step times must be > 0 to fit")
+    k = len(rows[0])
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
+    active = []
+    for j in range(k):          # skip all-zero columns and copies of an earlier one (decode: seqs == tokens)
+        if any(r[j] for r in rows) and not any(all(r[i] == r[j] for r in rows) for i in active):
+            active.append(j)
+    while active:
+        a = [[0.0] * len(active) for _ in active]
+        rhs = [0.0] * len(active)
+        for r, t in zip(rows, y):
+            w = 1.0 / (t * t)
+            xs = [r[j] / scale[j] for j in active]
+            for i, xi in enumerate(xs):
+                if xi:
+                    rhs[i] += w * xi * t
+                    ai = a[i]
+                    for jj, xj in enumerate(xs):
+                        ai[jj] += w * xi * xj
+        sol = _solve(a, rhs)
+        if sol is None:                     # collinear: drop the last (richest) column
+            active.pop()
+            continue
+        worst = min(range(len(active)), key=lambda i: sol[i])
+        if sol[worst] < 0:
+            active.pop(worst)
+            continue
+        coef = [0.0] * k
+        for i, j in enumerate(active):
+            coef[j] = sol[i] / scale[j]
+        return coef
+    return [0.0] * k
+
+
+def predict_linear(features: Sequence[str], coef: Sequence[float], values: dict[str, float]) -> float:
+    return sum(c * values[f] for f, c in zip(features, coef))
+
+
+def relative_errors(pred: Iterable[float], y: Iterable[float]) -> list[float]:
+    return [abs(p - t) / t for p, t in zip(pred, y)]
+
+
+def summarize_errors(errs: Sequence[float]) -> dict[str, float]:
+    if not errs:
+        return {"n": 0, "mean": float("nan"), "median": float("nan"), "p90": float("nan")}
+    s = sorted(errs)
+    pick = lambda q: s[min(len(s) - 1, int(math.ceil(q * len(s))) - 1)]  # noqa: E731
+    return {"n": len(s), "mean": sum(s) / len(s), "median": pick(0.5), "p90": pick(0.9)}
+
+
+def _folds(n: int, k: int, seed: int) -> list[list[int]]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return [order[i::k] for i in range(k)]
+
+
+def cross_validate(rows: list[dict[str, float]], y: list[float], features: Sequence[str],
+                   k: int = 5, seed: int = 0) -> list[float]:
+    """Held-out relative error of every sample: each fold is predicted by a fit on the others."""
+    k = max(2, min(k, len(rows)))
+    errs: list[float] = []
+    for held in _folds(len(rows), k, seed):
+        held_set = set(held)
+        train = [i for i in range(len(rows)) if i not in held_set]
+        if not train:
+            continue
+        coef = fit_nonneg([[rows[i][f] for f in features] for i in train], [y[i] for i in train])
+        errs += relative_errors([max(0.0, predict_linear(features, coef, rows[i])) for i in held],
+                                [y[i] for i in held])
+    return errs
+
+
+def choose_family(rows: list[dict[str, float]], y: list[float], k: int = 5,
+                  seed: int = 0) -> tuple[str, dict[str, dict[str, float]]]:
+    """The family to use and every family's held-out error summary."""
+    report = {name: summarize_errors(cross_validate(rows, y, feats, k, seed)) for name, feats in FAMILIES.items()}
+    best = min(report[name]["mean"] for name in FAMILIES)
+    for name in FAMILIES:                    # simplest first
+        if report[name]["mean"] <= best * (1 + SIMPLER_TOLERANCE) + 1e-12:
+            return name, report
+    raise AssertionError("unreachable")
+
+
+# -- the model file -------------------------------------------------------------------------
+def fit_step_cost(samples: Sequence[dict], k: int = 5, seed: int = 0) -> dict:
+    """Fit a step-cost model from profiled samples; each sample has seqs, tokens, context,
+    pairs and per part a time in seconds (`execute_s`, `overhead_s`). Returns the JSON-ready
+    model: per part and phase the chosen family, its coefficients and every family's
+    held-out error, plus the held-out error of the whole step time."""
+    model: dict = {"format": FORMAT, "version": VERSION, "features": list(FEATURES), "parts": {}}
+    for part in PARTS:
+        model["parts"][part] = {}
+        for phase in PHASES:
+            chosen = [s for s in samples if phase_of(s["seqs"], s["tokens"]) == phase]
+            if not chosen:
+                continue
+            rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"]) for s in chosen]
+            y = [max(s[f"{part}_s"], 1e-9) for s in chosen]
+            family, report = choose_family(rows, y, k, seed)
+            feats = FAMILIES[family]
+            coef = fit_nonneg([[r[f] for f in feats] for r in rows], y)
+            model["parts"][part][phase] = {"family": family, "features": list(feats), "coef": coef,
+                                           "held_out": report}
+    model["held_out_step"] = held_out_step_error(samples, model, k, seed)
+    model["repeat_noise"] = repeat_noise(samples)
+    return model
+
+
+def held_out_step_error(samples: Sequence[dict], model: dict, k: int = 5, seed: int = 0) -> dict:
+    """Held-out relative error of the whole step (execute + overhead), per phase, with each
+    part's chosen family refitted on the other folds."""
+    out = {}
+    for phase in PHASES:
+        chosen = [s for s in samples if phase_of(s["seqs"], s["tokens"]) == phase]
+        if not chosen:
+            continue
+        rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"]) for s in chosen]
+        kk = max(2, min(k, len(chosen)))
+        errs: list[float] = []
+        for held in _folds(len(chosen), kk, seed):
+            hs = set(held)
+            train = [i for i in range(len(chosen)) if i not in hs]
+            if not train:
+                continue
+            pred = [0.0] * len(held)
+            for part in PARTS:
+                feats = model["parts"][part][phase]["features"]
+                coef = fit_nonneg([[rows[i][f] for f in feats] for i in train],
+                                  [max(chosen[i][f"{part}_s"], 1e-9) for i in train])
+                for j, i in enumerate(held):
+                    pred[j] += max(0.0, predict_linear(feats, coef, rows[i]))
+            errs += relative_errors(pred, [chosen[i]["execute_s"] + chosen[i]["overhead_s"] for i in held])
+        out[phase] = summarize_errors(errs)
+    return out
+
+
+def repeat_noise(samples: Sequence[dict]) -> dict:
+    """The error floor the machine sets: per phase, the relative error of predicting each
+    step's time by the mean of the other steps of exactly the same shape (repeats). A
+    model of the shape alone cannot beat it on average; compare it with `held_out_step`."""
+    groups: dict[tuple, list[float]] = {}
+    for s in samples:
+        key = (s["seqs"], s["tokens"], s["context"], s["pairs"])
+        groups.setdefault(key, []).append(s["execute_s"] + s["overhead_s"])
+    errs: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    for (seqs, tokens, _, _), times in groups.items():
+        if len(times) < 2:
+            continue
+        total = sum(times)
+        for t in times:
+            errs[phase_of(seqs, tokens)].append(abs((total - t) / (len(times) - 1) - t) / t)
+    return {phase: summarize_errors(e) for phase, e in errs.items() if e}
+
+
+def check_model(model: dict, where: str = "cost model") -> None:
+    """Raise ValueError naming what is wrong when `model` is not a usable step-cost model."""
+    if not isinstance(model, dict) or model.get("format") != FORMAT:
+        raise ValueError(f"{where}: not a {FORMAT} file (format field is {model.get('format') if isinstance(model, dict) else None!r})")
+    if model.get("version") != VERSION:
+        raise ValueError(f"{where}: version {model.get('version')!r}, this build reads version {VERSION}")
+    parts = model.get("parts")
+    if not isinstance(parts, dict):
+        raise ValueError(f"{where}: missing 'parts'")
+    for part in PARTS:
+        for phase in PHASES:
+            entry = parts.get(part, {}).get(phase)
+            if entry is None:
+                raise ValueError(f"{where}: no {part} model for {phase} steps (profile both phases)")
+            feats, coef = entry.get("features"), entry.get("coef")
+            if (not isinstance(feats, list) or not isinstance(coef, list) or len(feats) != len(coef)
+                    or any(f not in FEATURES for f in feats)):
+                raise ValueError(f"{where}: {part}/{phase}: features and coef must be equal-length lists over {FEATURES}")
+            if any(not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in coef):
+                raise ValueError(f"{where}: {part}/{phase}: coefficients must be finite and >= 0, got {coef}")
+
+
+class StepCostEvaluator:
+    """Evaluates a checked model file: seconds of one step from its four sums."""
+
+    def __init__(self, model: dict, where: str = "cost model"):
+        check_model(model, where)
+        self.model = model
+        # per phase: one coefficient per FEATURES entry, execute + overhead summed
+        self._coef = {}
+        for phase in PHASES:
+            total = dict.fromkeys(FEATURES, 0.0)
+            for part in PARTS:
+                entry = model["parts"][part][phase]
+                for f, c in zip(entry["features"], entry["coef"]):
+                    total[f] += c
+            self._coef[phase] = tuple(total[f] for f in FEATURES)
+
+    def step_time(self, seqs: int, tokens: int, context: int, pairs: int) -> float:
+        if seqs <= 0:
+            return 0.0
+        one, cs, ct, cc, cp = self._coef["prefill" if tokens > seqs else "decode"]
+        return one + cs * seqs + ct * tokens + cc * context + cp * pairs
+
+    def part_time(self, part: str, seqs: int, tokens: int, context: int, pairs: int) -> float:
+        entry = self.model["parts"][part][phase_of(seqs, tokens)]
+        return predict_linear(entry["features"], entry["coef"], feature_values(seqs, tokens, context, pairs))

@@ -1,0 +1,67 @@
+"""The step log: what the engine decided at each step, as JSON lines.
+
+Both backends reduce a `SchedulerOutput` to the same plain `decision` (here), so a
+real run's log can be replayed through the simulator's copy of the core and compared
+step by step (`python -m sim replay`). Records, one JSON object per line, `kind` first:
+
+  {"kind": "config", ...}       the scheduler and cache knobs the engine ran with
+  {"kind": "arrival", "req_id", "step", "t", "prompt_token_ids", "max_tokens", ...}
+                                a request entered the engine before executed step `step`
+  {"kind": "step", "step", "t_start", "t_end", "execute_s", "decision": {...}}
+                                one executed step (empty steps run nothing and are left out)
+  {"kind": "finish", "req_id", "num_output_tokens", "status"}
+
+Times are seconds since the log started (monotonic clock).
+"""
+from __future__ import annotations
+
+import json
+from typing import IO, Iterator
+
+LOG_FORMAT = "twinserve-step-log"
+
+
+def step_decision(out, kv) -> dict:
+    """The scheduling decision of one step: per scheduled slice [request id, start,
+    tokens, samples, blocks in its table], the requests preempted, block moves, and the
+    GPU blocks in use once the step was scheduled."""
+    return {
+        "batch": [[s.seq.request.request_id, s.start, s.num_tokens, s.num_samples, len(s.block_table)]
+                  for s in out.scheduled],
+        "preempted": [r.request_id for r in out.preempted],
+        "swap_out": len(out.blocks_to_swap_out),
+        "swap_in": len(out.blocks_to_swap_in),
+        "copy": len(out.blocks_to_copy),
+        "used_gpu_blocks": kv.stats().num_used_gpu_blocks,
+    }
+
+
+def config_record(scheduler, policy_names: dict[str, str]) -> dict:
+    """What a replay needs to rebuild the same scheduler (policies by registry name)."""
+    sc, cc = scheduler.config, scheduler.cache_config
+    return {"kind": "config", "format": LOG_FORMAT,
+            "scheduler": {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+                          "max_model_len": sc.max_model_len, "enable_chunked_prefill": sc.enable_chunked_prefill},
+            "cache": {"block_size": cc.block_size, "num_gpu_blocks": cc.num_gpu_blocks,
+                      "num_cpu_blocks": cc.num_cpu_blocks, "enable_prefix_caching": cc.enable_prefix_caching,
+                      "watermark": cc.watermark},
+            "policies": dict(policy_names)}
+
+
+def write_record(f: IO[str], record: dict) -> None:
+    f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def read_log(path: str) -> Iterator[dict]:
+    """The records of a step log; ValueError naming the line when one is not JSON."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or "kind" not in rec:
+                raise ValueError(f"{path}:{lineno}: a step-log record is an object with a 'kind'")
+            yield rec

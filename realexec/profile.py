@@ -1,0 +1,205 @@
+"""`python -m realexec profile --out profile.json`: time real engine steps, fit a step-cost model.
+
+The real engine (same scheduler, executor and workers as `serve`) runs small workloads
+chosen so that its steps cover a grid, and every executed step is timed (StepRecorder):
+  * prefill: one prompt of C + P tokens with chunks of M = max-num-batched-tokens tokens:
+    its last chunk computes P tokens after C cached ones (C a multiple of M);
+  * decode: B prompts of L tokens, then B-sequence decode steps over growing context;
+  * mixed: B sequences decoding when a prompt of P tokens arrives: chunked-prefill steps
+    that mix one prefill slice with B decodes.
+Each workload runs after a warm-up pass and is repeated; every step of every run is a
+sample (also the earlier chunks and the prefill steps of decode workloads). Per step it
+records the whole step's wall time and where it went: the executor (`execute_s`: input
+preparation, forward, sampling, RPC to the workers) and the rest (`overhead_s`:
+scheduling, update, detokenization). `core.cost_fit` fits each part per phase, choosing
+the feature family by k-fold held-out error, and the file holds the raw samples and the
+fitted model (plain JSON; `python -m sim run --cost-model FILE` reads it).
+"""
+from __future__ import annotations
+
+import json
+import platform
+import random
+import sys
+import time
+
+from core import SamplingParams
+from core.cost_fit import PHASES, fit_step_cost, phase_of, shape_of
+from realexec.config import add_engine_args, engine_args_from_namespace
+
+FULL_CHUNK, QUICK_CHUNK = 256, 32
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", required=True, help="write the samples and the fitted model here (JSON)")
+    parser.add_argument("--quick", action="store_true", help="a small grid (CI, tiny models): seconds, not minutes")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each grid workload [3]")
+    parser.add_argument("--folds", type=int, default=5, help="cross-validation folds for the held-out error [5]")
+    add_engine_args(parser)
+
+
+def grid(chunk: int, quick: bool) -> list[tuple[str, dict]]:
+    """(kind, parameters) of each workload."""
+    if quick:
+        prefill = [(p, c) for p in (4, 16, chunk) for c in (0, chunk)]
+        decode = [(b, length) for b in (1, 4, 8) for length in (8, 24)]
+        mixed = [(2, 8, p) for p in (8, chunk)]
+        decode_tokens = 4
+    else:
+        prefill = [(p, c) for p in sorted({16, 64, 128, chunk}) if p <= chunk for c in (0, chunk, 2 * chunk)]
+        decode = [(b, length) for b in (1, 2, 4, 8, 16, 32) for length in (32, 128, 384) if b * length <= 2048]
+        mixed = [(b, 64, p) for b in (4, 16) for p in (32, chunk)]
+        decode_tokens = 8
+    work = [("prefill", {"tokens": p, "context": c}) for p, c in prefill]
+    work += [("decode", {"batch": b, "prompt": length, "max_tokens": decode_tokens}) for b, length in decode]
+    work += [("mixed", {"batch": b, "prompt": length, "new_prompt": p, "max_tokens": decode_tokens + 2})
+             for b, length, p in mixed]
+    return work
+
+
+class _Runner:
+    """Adds a workload's requests to the engine and steps it until they are done."""
+
+    def __init__(self, engine, seed: int = 0):
+        self.engine = engine
+        self.rng = random.Random(seed)
+        self.vocab = engine.model_config.vocab_size
+        self.ids = 0
+
+    def prompt(self, n: int) -> list[int]:
+        # random ids (not special tokens at the low end), distinct per request
+        return [self.rng.randrange(min(3, self.vocab - 1), self.vocab) for _ in range(n)]
+
+    def add(self, n_prompt: int, max_tokens: int) -> str:
+        self.ids += 1
+        rid = f"profile-{self.ids}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(self.prompt(n_prompt), params, request_id=rid)
+        return rid
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def run(self, kind: str, p: dict) -> None:
+        if kind == "prefill":
+            self.add(p["context"] + p["tokens"], 1)
+        elif kind == "decode":
+            for _ in range(p["batch"]):
+                self.add(p["prompt"], p["max_tokens"])
+        elif kind == "mixed":
+            rids = [self.add(p["prompt"], p["max_tokens"]) for _ in range(p["batch"])]
+            states = self.engine._states
+            # wait until every one of them decodes, then a prompt arrives
+            while any(rid in states and not states[rid].request.seqs[0].num_output_tokens for rid in rids):
+                self.engine.step()
+            self.add(p["new_prompt"], 1)
+        else:
+            raise ValueError(f"unknown workload kind {kind!r}")
+        self.drain()
+
+
+def sample_of(rec: dict) -> dict:
+    """A fit sample from a step record: the batch's sums and where the time went."""
+    batch = rec["decision"]["batch"]
+    seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
+    step_s, execute_s = rec["step_s"], rec["execute_s"]
+    out = {"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
+           "step_s": step_s, "execute_s": execute_s, "overhead_s": max(step_s - execute_s, 1e-9),
+           "detokenize_s": rec["detokenize_s"], "scheduler_s": step_s - execute_s - rec["detokenize_s"]}
+    for k in ("prepare_s", "forward_s", "worker_execute_s"):
+        if k in rec:
+            out[k] = rec[k]
+    if "worker_execute_s" in rec:
+        out["rpc_s"] = execute_s - rec["worker_execute_s"]
+    return out
+
+
+def overhead_breakdown(samples: list[dict]) -> dict[str, float]:
+    """Mean seconds per step of each component, over all samples."""
+    keys = ("step_s", "execute_s", "forward_s", "prepare_s", "rpc_s", "scheduler_s", "detokenize_s")
+    return {k: sum(s.get(k, 0.0) for s in samples) / len(samples) for k in keys}
+
+
+def profile(engine, *, quick: bool, repeats: int, folds: int = 5, log=print) -> dict:
+    from realexec.step_recorder import StepRecorder
+
+    chunk = engine.scheduler.config.max_num_batched_tokens
+    work = grid(chunk, quick)
+    runner = _Runner(engine)
+    with StepRecorder(engine, worker_timings=True) as rec:
+        for kind in ("prefill", "decode", "mixed"):            # warm-up: one of each, discarded
+            runner.run(*next(w for w in work if w[0] == kind))
+        rec.records.clear()
+        t0 = time.perf_counter()
+        for r in range(repeats):
+            for kind, p in work:
+                runner.run(kind, p)
+            log(f"  repeat {r + 1}/{repeats}: {len(rec.steps)} steps, {time.perf_counter() - t0:.1f}s")
+        steps = rec.steps
+    samples = [sample_of(s) for s in steps]
+    model = fit_step_cost(samples, k=folds)
+    model["profile"] = {
+        "model": engine.args.model or "SmolLM2-135M-Instruct", "device": str(engine.args.device),
+        "host": platform.node(), "tensor_parallel_size": engine.args.tensor_parallel_size,
+        "backend": engine.executor.backend, "dtype": engine.args.dtype, "cpu_threads": engine.args.cpu_threads,
+        "engine": {"block_size": engine.args.block_size, "max_num_batched_tokens": chunk,
+                   "max_num_seqs": engine.scheduler.config.max_num_seqs,
+                   "num_gpu_blocks": engine.scheduler.cache_config.num_gpu_blocks},
+        "quick": quick, "repeats": repeats, "grid": [[k, p] for k, p in work],
+        "overhead_mean_s": overhead_breakdown(samples)}
+    model["samples"] = samples
+    return model
+
+
+def format_report(model: dict) -> str:
+    lines = ["held-out relative error per family (mean / p90), k-fold over the samples:"]
+    for part, phases in model["parts"].items():
+        for phase in PHASES:
+            entry = phases.get(phase)
+            if entry is None:
+                continue
+            lines.append(f"  {part:9s} {phase:8s} chosen: {entry['family']}")
+            for fam, e in entry["held_out"].items():
+                mark = "*" if fam == entry["family"] else " "
+                lines.append(f"    {mark} {fam:22s} {e['mean'] * 100:6.2f}% / {e['p90'] * 100:6.2f}%  (n={e['n']})")
+    lines.append("held-out error of the whole step time (execute + overhead), chosen families:")
+    for phase, e in model["held_out_step"].items():
+        lines.append(f"  {phase:8s} mean {e['mean'] * 100:.2f}%  median {e['median'] * 100:.2f}%  "
+                     f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
+    lines.append("same-shape repeats vs the mean of the others (the machine's noise floor for any shape model):")
+    for phase, e in model.get("repeat_noise", {}).items():
+        lines.append(f"  {phase:8s} mean {e['mean'] * 100:.2f}%  median {e['median'] * 100:.2f}%  "
+                     f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
+    o = model["profile"]["overhead_mean_s"]
+    lines.append("mean per step (ms): " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in o.items()))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.folds < 2:
+        raise ValueError(f"--folds must be >= 2, got {args.folds}")
+    engine_args = engine_args_from_namespace(args)
+    if engine_args.max_num_batched_tokens is None:
+        engine_args.max_num_batched_tokens = QUICK_CHUNK if args.quick else FULL_CHUNK
+    engine_args.validate()
+    from realexec.engine import LLMEngine
+
+    engine = LLMEngine(engine_args)
+    try:
+        print(f"profiling {engine_args.model or 'SmolLM2-135M-Instruct'} "
+              f"({'quick' if args.quick else 'full'} grid, {args.repeats} repeats)", file=sys.stderr)
+        model = profile(engine, quick=args.quick, repeats=args.repeats, folds=args.folds,
+                        log=lambda m: print(m, file=sys.stderr))
+    finally:
+        engine.shutdown()
+    for phase in PHASES:
+        if not any(phase_of(s["seqs"], s["tokens"]) == phase for s in model["samples"]):
+            raise ValueError(f"the profile has no {phase} steps")
+    with open(args.out, "w") as f:
+        json.dump(model, f, indent=1)
+    print(format_report(model))
+    print(f"wrote {len(model['samples'])} samples and the fitted model to {args.out}")
+    return 0

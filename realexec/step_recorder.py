@@ -1,0 +1,117 @@
+"""StepRecorder: watches a running LLMEngine and records each executed step.
+
+    with StepRecorder(engine, "steps.jsonl"):      # --step-log PATH on generate / serve / bench
+        ...run requests...
+
+It hooks three calls of one engine instance (restored on close): `core.add_request`
+(arrivals), `executor.execute_model` (the step's decision, read from the SchedulerOutput
+before the executor builds its step message, and the executor's wall time) and
+`LLMEngine._step` (the whole step's wall time, detokenization included). Records follow
+`core.step_log`; `records` keeps the step records in memory too (`realexec profile`
+reads them). With `worker_timings`, each step also carries the worker's input-preparation
+and forward+sampling seconds (one extra `get_timings` call after the step, not timed).
+"""
+from __future__ import annotations
+
+import time
+
+from core.step_log import config_record, step_decision, write_record
+
+
+class StepRecorder:
+    def __init__(self, engine, path: str | None = None, *, worker_timings: bool = False, keep: bool = True):
+        self.engine = engine
+        self.records: list[dict] = []
+        self.keep = keep
+        self.worker_timings = worker_timings
+        self._file = open(path, "w") if path else None
+        self._t0 = time.monotonic()
+        self._executed = 0
+        self._pending: dict | None = None
+        self._open: dict[str, object] = {}          # request id -> Request, until it finishes
+        self._timings = self._worker_timings() if worker_timings else None
+        core, executor = engine.core, engine.executor
+        self._add, self._execute, self._step = core.add_request, executor.execute_model, engine._step
+        core.add_request = self._on_add
+        executor.execute_model = self._on_execute
+        engine._step = self._on_step
+        self._emit(config_record(engine.scheduler, engine.args.policy_names()))
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _on_add(self, request):
+        params = request.params
+        self._emit({"kind": "arrival", "req_id": request.request_id, "step": self._executed,
+                    "t": time.monotonic() - self._t0, "prompt_token_ids": list(request.prompt_token_ids),
+                    "max_tokens": params.max_tokens, "n": params.n, "beam_width": params.beam_width,
+                    "ignore_eos": params.ignore_eos, "priority": request.priority})
+        self._open[request.request_id] = request
+        return self._add(request)
+
+    def _on_execute(self, out):
+        decision = step_decision(out, self.engine.scheduler.kv)
+        t = time.perf_counter()
+        result = self._execute(out)
+        self._pending = {"decision": decision, "execute_s": time.perf_counter() - t}
+        return result
+
+    def _on_step(self):
+        detok0 = self.engine.detokenize_time
+        t0 = time.perf_counter()
+        start = time.monotonic() - self._t0
+        outputs = self._step()
+        wall = time.perf_counter() - t0
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            rec = {"kind": "step", "step": self._executed, "t_start": start, "t_end": start + wall,
+                   "step_s": wall, "execute_s": pending["execute_s"],
+                   "detokenize_s": self.engine.detokenize_time - detok0, "decision": pending["decision"]}
+            if self.worker_timings:
+                now = self._worker_timings()
+                rec.update({k: now[k] - self._timings[k] for k in now})
+                self._timings = now
+            self._executed += 1
+            self._emit(rec)
+        self._emit_finishes()
+        return outputs
+
+    # -- output -----------------------------------------------------------------------------
+    def _worker_timings(self) -> dict[str, float]:
+        t = self.engine.executor.collective_rpc("get_timings")[0]
+        return {"prepare_s": t["prepare_s"], "forward_s": t["forward_s"], "worker_execute_s": t["execute_s"]}
+
+    def _emit_finishes(self) -> None:
+        done = [rid for rid, r in self._open.items() if r.is_finished]
+        for rid in done:
+            request = self._open.pop(rid)
+            seqs = request.all_seqs()
+            self._emit({"kind": "finish", "req_id": rid, "status": request.status.value,
+                        "num_output_tokens": seqs[0].num_output_tokens if seqs else 0})
+
+    def _emit(self, record: dict) -> None:
+        if self.keep:
+            self.records.append(record)
+        if self._file is not None:
+            write_record(self._file, record)
+            self._file.flush()
+
+    def close(self) -> None:
+        """Restore the engine's own methods and close the log (idempotent)."""
+        if self._add is None:
+            return
+        self._emit_finishes()
+        for obj, name in ((self.engine.core, "add_request"), (self.engine.executor, "execute_model"),
+                          (self.engine, "_step")):
+            obj.__dict__.pop(name, None)
+        self._add = self._execute = self._step = None
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> StepRecorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def steps(self) -> list[dict]:
+        return [r for r in self.records if r["kind"] == "step"]

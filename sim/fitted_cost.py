@@ -1,0 +1,53 @@
+"""FittedCostModel: step times from a `realexec profile` file (`--cost-model profile.json`).
+
+The file is plain JSON (format in `core.cost_fit`): per phase, the executor's time and
+the engine's per-step overhead (scheduling, update, detokenization) as non-negative
+linear models of the batch's sums. A simulated step costs their sum, so the simulated
+clock advances like the real engine's step loop. The profile says nothing about swap
+copies, so swap time comes from a fallback model (the roofline's PCIe term for the
+configured hardware).
+"""
+from __future__ import annotations
+
+import json
+
+from core.cost_fit import StepCostEvaluator
+from sim.cost_model import BatchShape, CostModel
+
+
+def load_cost_model_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cost model {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise ValueError(f"cost model {path}: cannot read it ({e.strerror or e})") from None
+
+
+class FittedCostModel:
+    """CostModel from a fitted profile; `swap_fallback` prices swaps."""
+
+    def __init__(self, model: dict, swap_fallback: CostModel, where: str = "cost model"):
+        self.evaluator = StepCostEvaluator(model, where)
+        self.profile = model.get("profile", {})
+        self.held_out_step = model.get("held_out_step", {})
+        self._swap_fallback = swap_fallback
+
+    @classmethod
+    def from_file(cls, path: str, swap_fallback: CostModel) -> FittedCostModel:
+        return cls(load_cost_model_file(path), swap_fallback, where=path)
+
+    def step_time(self, batch: BatchShape) -> float:
+        return self.evaluator.step_time(batch.num_seqs, batch.num_new_tokens, batch.context_sum, batch.attn_pairs)
+
+    def swap_time(self, num_blocks: int, block_bytes: int) -> float:
+        return self._swap_fallback.swap_time(num_blocks, block_bytes)
+
+    def decode_step_times(self, num_seqs: int, context_sum: int, k: int) -> list[float]:
+        """Element j is step_time(BatchShape.decode(num_seqs, context_sum + j*num_seqs)), the
+        same floats (same evaluator call), for event skipping."""
+        step = self.evaluator.step_time
+        n = num_seqs
+        return [step(n, n, ctx, ctx + n) for ctx in range(context_sum, context_sum + k * n, n)] if n > 0 \
+            else [0.0] * max(k, 0)

@@ -1,0 +1,314 @@
+"""Calibrating the twin: profile the real engine, fit the step cost, price the simulator
+with it, and replay the real engine's decisions through the simulator's core."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from core.cost_fit import (FAMILIES, StepCostEvaluator, check_model, choose_family, feature_values, fit_nonneg,
+                           fit_step_cost, shape_of)
+from sim.config import SimConfig
+from sim.cost_model import BatchShape, RooflineCostModel
+from sim.engine import simulate
+from sim.fitted_cost import FittedCostModel
+from sim.specs import get_hardware, get_model
+from traces.model import Trace, TraceRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def synthetic_samples(execute: dict, overhead: dict, noise: float = 0.0, seed: int = 0) -> list[dict]:
+    """Steps over a prefill/decode/mixed grid, timed by known linear models per part."""
+    import random
+
+    rng = random.Random(seed)
+    batches = [[(p, c)] for p in (8, 32, 128, 512) for c in (0, 256, 1024)]
+    batches += [[(1, c)] * b for b in (1, 2, 4, 8, 16, 32) for c in (16, 200, 800)]
+    batches += [[(1, 100)] * b + [(p, 0)] for b in (2, 8) for p in (16, 256)]
+    out = []
+    for batch in batches:
+        seqs, tokens, context, pairs = shape_of([c for _, c in batch], [n for n, _ in batch])
+        v = feature_values(seqs, tokens, context, pairs)
+        phase = "prefill" if tokens > seqs else "decode"
+        t = {part: sum(c * v[f] for f, c in coefs[phase].items()) * (1 + rng.uniform(-noise, noise))
+             for part, coefs in (("execute", execute), ("overhead", overhead))}
+        out.append({"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
+                    "execute_s": t["execute"], "overhead_s": t["overhead"]})
+    return out
+
+
+TRUE_EXECUTE = {"prefill": {"one": 2e-3, "tokens": 1e-4, "pairs": 2e-8},
+                "decode": {"one": 3e-3, "seqs": 2e-4, "context": 1e-7}}
+TRUE_OVERHEAD = {"prefill": {"one": 5e-4, "seqs": 5e-5}, "decode": {"one": 4e-4, "seqs": 3e-5}}
+
+
+# ----------------------------------------------------------------------------- the fit
+
+def test_fit_recovers_known_step_costs_and_picks_the_terms_that_predict():
+    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    check_model(model)
+    ev = StepCostEvaluator(model)
+    for phase, truth in TRUE_EXECUTE.items():
+        entry = model["parts"]["execute"][phase]
+        got = dict(zip(entry["features"], entry["coef"]))
+        if phase == "decode":              # one token per sequence: tokens and seqs are the same column
+            got["seqs"] = got.get("seqs", 0.0) + got.pop("tokens", 0.0)
+        assert set(truth) <= {f for f, c in got.items() if c}, (phase, entry["family"])
+        for f, c in truth.items():
+            assert got[f] == pytest.approx(c, rel=1e-6)
+    # the evaluator sums both parts
+    shape = (4, 4, 400, 404)
+    v = feature_values(*shape)
+    want = sum(c * v[f] for part in (TRUE_EXECUTE, TRUE_OVERHEAD) for f, c in part["decode"].items())
+    assert ev.step_time(*shape) == pytest.approx(want, rel=1e-6)
+    for e in model["held_out_step"].values():
+        assert e["p90"] < 1e-6
+
+
+def test_held_out_error_prefers_the_simpler_family_on_noisy_data():
+    """A cost with no context dependence: the extra terms only fit noise, and must not win."""
+    flat = {"prefill": {"one": 1e-3, "tokens": 1e-4}, "decode": {"one": 2e-3, "seqs": 1e-4}}
+    samples = synthetic_samples(flat, flat, noise=0.05, seed=3)
+    rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"]) for s in samples
+            if s["tokens"] > s["seqs"]]
+    y = [s["execute_s"] for s in samples if s["tokens"] > s["seqs"]]
+    family, report = choose_family(rows, y)
+    assert family == "tokens", report
+    assert report["const"]["mean"] > report["tokens"]["mean"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 500), st.integers(0, 3000)), min_size=3, max_size=30),
+       st.lists(st.floats(0, 1e-3), min_size=4, max_size=4))
+def test_fitted_coefficients_are_never_negative_and_predictions_positive(shapes, coef):
+    rows = [[1.0, float(n), float(c), float(n * c)] for n, c in shapes]
+    y = [1e-4 + sum(a * b for a, b in zip(coef, r)) - 1e-7 * r[2] for r in rows]   # a falling term
+    y = [max(t, 1e-6) for t in y]
+    got = fit_nonneg(rows, y)
+    assert all(c >= 0 for c in got)
+    assert all(sum(a * b for a, b in zip(got, r)) >= 0 for r in rows)
+
+
+def test_a_malformed_model_file_is_refused_with_the_reason(tmp_path):
+    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    bad = json.loads(json.dumps(model))
+    bad["parts"]["execute"]["decode"]["coef"][0] = -1.0
+    with pytest.raises(ValueError, match="execute/decode.*>= 0"):
+        check_model(bad)
+    bad = json.loads(json.dumps(model))
+    del bad["parts"]["overhead"]["prefill"]
+    with pytest.raises(ValueError, match="no overhead model for prefill"):
+        check_model(bad)
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        FittedCostModel.from_file(str(tmp_path / "x.json"), None)
+
+
+# ----------------------------------------------------------------------------- the simulator side
+
+def _fitted(model: dict) -> FittedCostModel:
+    return FittedCostModel(model, RooflineCostModel(get_model("SmolLM2-135M"), get_hardware("cpu-2core")))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 5000), st.integers(0, 50))
+def test_decode_step_times_equal_step_time_bit_for_bit(n, ctx, k):
+    cm = _fitted(fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD)))
+    want = [cm.step_time(BatchShape.decode(n, ctx + j * n)) for j in range(k)]
+    assert cm.decode_step_times(n, ctx, k) == want
+
+
+def test_the_simulator_charges_the_fitted_step_times(tmp_path):
+    """One request alone: its latency is exactly the fitted prefill step plus its decode steps."""
+    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(model))
+    prompt, out = 40, 12
+    trace = Trace([TraceRequest("a", 0.0, prompt, out)])
+    ev = StepCostEvaluator(model)
+    want = ev.step_time(1, prompt, 0, prompt * (prompt + 1) // 2)
+    want += sum(ev.step_time(1, 1, prompt + j, prompt + j + 1) for j in range(out - 1))
+    for skipping in (True, False):
+        cfg = SimConfig(model="SmolLM2-135M", hardware="cpu-2core", cost_model=str(path), num_gpu_blocks=64,
+                        event_skipping=skipping)
+        (rec,) = simulate(cfg, trace).records
+        assert rec.finished_time - rec.arrival_time == pytest.approx(want, rel=1e-9)
+    roof = simulate(SimConfig(model="SmolLM2-135M", hardware="cpu-2core", num_gpu_blocks=64), trace).records[0]
+    assert roof.finished_time != pytest.approx(want, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer (so the server can take text prompts)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from realexec.bench_throughput import model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir(None))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny, tmp_path_factory) -> tuple[Path, str]:
+    prof = tmp_path_factory.mktemp("profile") / "profile.json"
+    r = subprocess.run([PY, "-m", "realexec", "profile", "--model", tiny, "--quick", "--repeats", "2",
+                        "--block-size", "4", "--num-gpu-blocks", "256", "--swap-space", "0.01", "--out", str(prof)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return prof, r.stdout
+
+
+def test_profile_fit_simulate_end_to_end(tiny_profile, tmp_path):
+    prof, stdout = tiny_profile
+    assert "held-out error of the whole step time" in stdout
+    model = json.loads(prof.read_text())
+    check_model(model)
+    samples = model["samples"]
+    kinds = {("prefill" if s["tokens"] > s["seqs"] else "decode", s["seqs"] > 1) for s in samples}
+    assert kinds == {("prefill", False), ("prefill", True), ("decode", False), ("decode", True)}  # mixed too
+    assert {s["context"] > 0 for s in samples if s["tokens"] > s["seqs"]} == {True, False}   # chunked prefill
+    for s in samples:      # where the time went adds up
+        assert s["execute_s"] > 0 and s["step_s"] >= s["execute_s"]
+        assert s["forward_s"] + s["prepare_s"] <= s["execute_s"] + 1e-4
+    assert set(model["held_out_step"]) == {"prefill", "decode"}
+    assert model["profile"]["overhead_mean_s"]["scheduler_s"] > 0
+
+    run = subprocess.run([PY, "-m", "sim", "run", "traces/sharegpt.json", "--num-requests", "8", "--rate", "4",
+                          "--model", "SmolLM2-135M", "--hardware", "cpu-2core", "--cost-model", str(prof),
+                          "--out", str(tmp_path / "run"), "--quiet"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["cost_model"] == str(prof)
+
+
+def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_path):
+    from sim.validate import workload_from_log
+
+    prof, _ = tiny_profile
+    out = tmp_path / "validate"
+    r = subprocess.run([PY, "-m", "sim", "validate", "traces/sharegpt.json", "--cost-model", str(prof),
+                        "--rate", "8", "--num-requests", "4", "--max-tokens-cap", "4", "--out", str(out),
+                        "--engine-args", f"--model {tiny} --block-size 16 --num-gpu-blocks 128 --swap-space 0.01"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sim vs real1" in r.stdout and "real2 vs real1" in r.stdout
+    report = json.loads((out / "report.json").read_text())
+    for name in ("sim vs real1", "sim vs engine1", "real2 vs real1"):
+        errs = report["errors"][name]
+        assert set(errs) == {"output_throughput"} | {f"{q}_{m}" for m in ("ttft", "tpot", "e2el")
+                                                     for q in ("median", "p90")}
+        assert all(e == e for e in errs.values())          # no NaN: every metric was measured
+    assert (out / "validate.png").stat().st_size > 10_000
+    _, trace, _ = workload_from_log(out / "real1.steps.jsonl")     # the simulated workload is the served one
+    bench = json.loads((out / "real1.bench.json").read_text())
+    assert sorted(r.output_len for r in trace.requests) == sorted(bench["output_lens"])
+    assert sorted(r.prompt_len for r in trace.requests) == sorted(bench["input_lens"])
+
+
+# ----------------------------------------------------------------------------- decision replay
+
+@pytest.fixture(scope="module")
+def smollm_log(tmp_path_factory) -> Path:
+    """A real SmolLM2 run with --step-log: staggered arrivals, chunked prefill, and a KV
+    pool small enough that the newest request is preempted (recompute) and resumed."""
+    from core import SamplingParams
+    from realexec.config import EngineArgs
+    from realexec.engine import LLMEngine
+
+    path = tmp_path_factory.mktemp("steplog") / "steps.jsonl"
+    engine = LLMEngine(EngineArgs(block_size=4, num_gpu_blocks=20, max_num_batched_tokens=24,
+                                  swap_space=0.01, step_log=str(path)))
+    try:
+        prompts = [[100 + 7 * i + j for j in range(18 + 2 * i)] for i in range(4)]
+        lens = [12, 14, 12, 10]
+        for i in range(2):
+            engine.add_request(prompts[i], SamplingParams(max_tokens=lens[i], temperature=0.0, ignore_eos=True),
+                               request_id=f"r{i}")
+        for _ in range(3):
+            engine.step()
+        for i in range(2, 4):
+            engine.add_request(prompts[i], SamplingParams(max_tokens=lens[i], temperature=0.0, ignore_eos=True),
+                               request_id=f"r{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.shutdown()
+    return path
+
+
+def test_replay_of_a_real_smollm2_run_takes_the_same_decisions(smollm_log):
+    from core.step_log import read_log
+    from sim.replay import replay
+
+    records = list(read_log(str(smollm_log)))
+    steps = [r for r in records if r["kind"] == "step"]
+    decisions = [s["decision"] for s in steps]
+    assert any(d["preempted"] for d in decisions), "the run was meant to preempt"
+    assert any(len(d["batch"]) > 1 and any(b[2] > 1 for b in d["batch"]) for d in decisions)  # mixed step
+    assert {r["step"] for r in records if r["kind"] == "arrival"} == {0, 3}
+    assert all(s["t_end"] >= s["t_start"] and s["step_s"] >= s["execute_s"] > 0 for s in steps)
+    report = replay(str(smollm_log))
+    assert report.equal, report.first_divergence
+    assert report.num_equal_steps == len(steps) > 5
+
+
+def test_replay_reports_the_first_step_that_differs(smollm_log, tmp_path):
+    from core.step_log import read_log
+
+    records = list(read_log(str(smollm_log)))
+    steps = [r for r in records if r["kind"] == "step"]
+    k = len(steps) // 2
+    steps[k]["decision"]["batch"][0][2] += 1          # the real engine "computed" one more token
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = subprocess.run([PY, "-m", "sim", "replay", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"DIVERGE at step {k}" in r.stdout and "batch" in r.stdout
+    ok = subprocess.run([PY, "-m", "sim", "replay", str(smollm_log)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0 and "identical at every step" in ok.stdout, ok.stdout + ok.stderr
+
+
+def test_replay_refuses_logs_it_cannot_reproduce(smollm_log, tmp_path):
+    from core.step_log import read_log
+
+    records = list(read_log(str(smollm_log)))
+    for rec in records:
+        if rec["kind"] == "finish" and rec["req_id"] == "r1":
+            rec["status"] = "abort"
+    bad = tmp_path / "abort.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = subprocess.run([PY, "-m", "sim", "replay", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "r1 ended abort" in r.stderr
+    (tmp_path / "junk.jsonl").write_text("{}\nnot json\n")
+    r = subprocess.run([PY, "-m", "sim", "replay", str(tmp_path / "junk.jsonl")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "junk.jsonl:1" in r.stderr
+
+
+def test_repeat_noise_is_zero_for_exact_repeats_and_grows_with_their_spread():
+    from core.cost_fit import repeat_noise
+
+    base = synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD)
+    exact = repeat_noise(base + base)
+    assert set(exact) == {"prefill", "decode"} and all(e["p90"] < 1e-12 for e in exact.values())
+    slower = [dict(s, execute_s=2 * s["execute_s"], overhead_s=2 * s["overhead_s"]) for s in base]
+    spread = repeat_noise(base + slower)        # each shape seen at t and 2t: errors 1 and 1/2
+    assert all(e["mean"] == pytest.approx(0.75) for e in spread.values())
