@@ -14,15 +14,22 @@ from typing import TYPE_CHECKING, Callable
 
 from core.outputs import StepResult
 from core.request import Request, Sequence
+from core.stop import LENGTH, stop_status
 
 if TYPE_CHECKING:
     from core.scheduler import Scheduler
 
 
-def steady_decode_horizon(sched: "Scheduler") -> int:
+def steady_decode_horizon(sched: "Scheduler", through_finishes: bool = False) -> int:
     """How many upcoming steps, run one by one, would each schedule exactly one decode
     token for every running sequence with no admission, swap, preemption, copy-on-write
     or finish. 0 when the engine is not in such a steady state. Call between steps.
+
+    through_finishes: the span may end *with* the step in which the first sequences
+    reach their length limit (`fast_forward` then finishes them as `update()` would).
+    That step's own schedule() sees the pool before the finish, like the span's other
+    steps; the blocks the finish frees can only matter to the next schedule(), which the
+    caller's next horizon check (admission, swap-in) covers.
 
     Admission during the span is ruled out by checking the queue's head once: with a
     shrinking free pool the head stays inadmissible as long as the cache contents it
@@ -37,6 +44,7 @@ def steady_decode_horizon(sched: "Scheduler") -> int:
         return 0
     cfg, kv = sched.config, sched.kv
     horizon = cfg.max_model_len
+    last = 0 if through_finishes else 1          # 1: the step that finishes is run normally
     seqs: list[Sequence] = []
     for request in running:
         params = request.params
@@ -50,8 +58,8 @@ def steady_decode_horizon(sched: "Scheduler") -> int:
             left = cfg.max_model_len - n
             if params.max_tokens is not None:
                 left = min(left, params.max_tokens - (n - seq.num_prompt_tokens))
-            if left - 1 < horizon:
-                horizon = left - 1                    # the step that finishes is run normally
+            if left - last < horizon:
+                horizon = left - last
             seqs.append(seq)
     if horizon <= 0 or len(seqs) > cfg.max_num_batched_tokens or kv.writes_into_shared_block(seqs):
         return 0                                      # (the last: the next step copies on write)
@@ -86,11 +94,13 @@ def steady_decode_shape(sched: "Scheduler") -> tuple[int, int]:
 
 def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
                  token_fn: Callable[[Sequence, int, int], list[int]]) -> StepResult:
-    """Apply k steady decode steps at once (k <= steady_decode_horizon(sched)).
+    """Apply k steady decode steps at once (k <= steady_decode_horizon(sched, ...)).
 
     Blocks are allocated and published in exactly the order k single steps would use
     (`KVManager.advance_decodes`), so eviction and cache state match; per-token work is
     a list extend. token_fn(seq, first_position, count) gives the sampled tokens.
+    Sequences at their length limit after the k-th step finish as `update()` finishes
+    them (in batch order, freeing blocks in the same order); their requests are returned.
     """
     if k <= 0:
         return StepResult(updated=[], finished=[])
@@ -109,7 +119,24 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
         m.token_times.extend(times)
         m.last_token_time = last
     sched.num_steps += k
-    return StepResult(updated=list(sched.running), finished=[])
+    updated = list(sched.running)
+    max_len = sched.config.max_model_len
+    done = [seq for seq in seqs if stop_status(seq.request.params, None, None,
+                                               len(seq.token_ids) - seq.num_prompt_tokens,
+                                               len(seq.token_ids), max_len) is not None]
+    if not done:
+        return StepResult(updated=updated, finished=[])
+    for seq in done:
+        sched._finish_seq(seq, LENGTH)
+    for request in updated:
+        if not request.seqs and not request.is_finished:
+            sched._finish_request(request, request.finished_seqs[-1].status)
+    sched._prune_running()
+    finished, sched._finished = sched._finished, []
+    for request in finished:
+        if request.metrics.finished_time is None:
+            request.metrics.finished_time = last
+    return StepResult(updated=updated, finished=finished)
 
 
 def memory_breakdown(sched: "Scheduler") -> dict[str, int]:

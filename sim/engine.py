@@ -19,9 +19,11 @@ is sampled from the core and weighted by the step's duration (`sim.memory`).
 
 Event skipping. After every normal step the engine asks the core for its steady-decode
 horizon h (steps that would each decode one token for every running sequence with no
-admission, swap, preemption, copy-on-write or finish). It runs k <= h of them in bulk
-with `core.event_skipping.fast_forward`, where k stops before the first step that would start at
-or after the next arrival. Per-step durations come from the same cost-model call the
+admission, swap, preemption or copy-on-write; the last may be the step in which the first
+sequences reach their length limit). It runs k <= h of them in bulk with
+`core.event_skipping.fast_forward`, where k stops before the first step that would start at
+or after the next arrival; a span that ends in finishes is followed at once by the next span
+(no normal step: the next horizon re-checks admission against the freed blocks). Per-step durations come from the same cost-model call the
 step-by-step mode makes, summed in the same order, and each skipped step's memory
 sample follows in closed form from the state before the span (`sim.memory.SpanModel`,
 checked against the core after the span), so both modes produce identical per-request
@@ -424,15 +426,23 @@ class SimEngine:
                 pbar.set_postfix_str(f"sim {self.clock:,.0f}s", refresh=False)
 
     def _skip(self):
-        """Fast-forward through steady decode steps that start before the next arrival."""
+        """Fast-forward through steady decode steps that start before the next event; a
+        span may end with requests finishing (nothing waits), and then the next one starts
+        without a normal step in between."""
+        while (yield from self._span()) and self.scheduler.requests:
+            pass
+
+    def _span(self):
+        """One span of steady decode steps; True when it ran to its horizon and finished
+        requests there (a next span may follow at once)."""
         sched = self.scheduler
-        horizon = steady_decode_horizon(sched)
+        horizon = steady_decode_horizon(sched, through_finishes=True)
         if horizon <= 0:
-            return
+            return False
         t = start = self.clock
         limit = self._next_event()
         if limit <= t:
-            return
+            return False
         num_seqs, context_sum = steady_decode_shape(sched)
         step_times = self.executor.decode_step_times
         # Step times never shrink as contexts grow, so at most (limit - t) / d0 + 1 steps
@@ -499,15 +509,18 @@ class SimEngine:
         self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs,
                                 num_seqs, 0, *mem_means))
         result = fast_forward(sched, k, ends, self.executor.token_ids)
-        if gpu.num_used != used:
+        finished = result.finished
+        # (finished requests have given their blocks back: the state is past the span's last step)
+        if gpu.num_used != used and not (finished and gpu.num_used < used):
             raise RuntimeError(f"event skipping: KV usage {gpu.num_used} after {k} steps, expected {used}")
-        if CHECK_SPANS and memory_sample(sched) != span_at(k - 1, used):   # the state now = the span's last step
+        if CHECK_SPANS and not finished and memory_sample(sched) != span_at(k - 1, used):
             raise RuntimeError(f"event skipping: memory breakdown {memory_sample(sched)} after {k} steps, "
-                               f"expected {span_at(k - 1, used)}")
+                               f"expected {span_at(k - 1, used)}")   # the state now = the span's last step
         yield self.env.timeout(max(0.0, t - self.env.now))
         self.clock = t
         self.num_steps += k
-        self._finish(result.finished)
+        self._finish(finished)
+        return bool(finished) and k == horizon
 
     # -- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:

@@ -42,7 +42,8 @@ def workloads():
                     min_size=1, max_size=10)
 
 
-def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blocks: int = 8):
+def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blocks: int = 8,
+          through_finishes: bool = False):
     caching = caching and names["allocation"] == "paged"
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48),
                       CacheConfig(block_size=BS, num_gpu_blocks=blocks, num_cpu_blocks=cpu_blocks,
@@ -59,7 +60,7 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
         return out
 
     arrivals = sorted(workload, key=lambda w: w[0])
-    reqs, t, i, skipped = [], 0, 0, 0
+    reqs, t, i, skipped, finished_in_span = [], 0, 0, 0, 0
     while i < len(arrivals) or sched.has_unfinished_requests():
         while i < len(arrivals) and arrivals[i][0] <= t:
             step, prefix, tail, max_tokens, n, priority = arrivals[i]
@@ -72,26 +73,37 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
         res = ex.execute_model(out)
         t += 1
         sched.update(out, res, float(t))
-        if fast:
-            k = steady_decode_horizon(sched)
+        while fast:                                # spans back to back while they end in finishes
+            k = steady_decode_horizon(sched, through_finishes)
             if i < len(arrivals):
                 k = min(k, arrivals[i][0] - t)
-            if k > 0:
-                fast_forward(sched, k, [float(t + j + 1) for j in range(k)], token_fn)
-                t += k
-                skipped += k
+            if k <= 0:
+                break
+            done = fast_forward(sched, k, [float(t + j + 1) for j in range(k)], token_fn).finished
+            t += k
+            skipped += k
+            finished_in_span += len(done)
+            if not done:
+                break
     assert sched.kv.gpu.num_used == 0
     recs = [(RequestRecord.from_request(r), sorted(s.output_token_ids for s in r.finished_seqs)) for r in reqs]
-    return recs, skipped, sched.kv.stats(), sched.num_preemptions
+    # Block-level state too: which ids are free, in which order, and which hold cached prefixes.
+    gpu = sched.kv.gpu
+    blocks_state = (gpu.uncached_free_blocks(), sorted(gpu.cached.items()))
+    return recs, skipped, sched.kv.stats(), sched.num_preemptions, blocks_state, finished_in_span
 
 
-@given(workload=workloads(), names=policy_names(), caching=st.booleans(), blocks=st.integers(12, 28))
+@given(workload=workloads(), names=policy_names(), caching=st.booleans(), blocks=st.integers(12, 28),
+       through_finishes=st.booleans())
 @settings(max_examples=300 if not os.environ.get("CI") else 1000, deadline=None)
-def test_fast_forward_matches_single_steps(workload, names, caching, blocks):
+def test_fast_forward_matches_single_steps(workload, names, caching, blocks, through_finishes):
+    """Spans that stop before a finish, or (through_finishes) end with the finishing step
+    while nothing waits: requests finishing at different steps, by max_tokens or by the
+    model length limit, n = 1 and forked n = 2."""
     slow = drive(workload, False, names, caching, blocks)
-    fast = drive(workload, True, names, caching, blocks)
+    fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes)
     assert fast[0] == slow[0], names
-    assert fast[2:] == slow[2:], names
+    assert fast[2:5] == slow[2:5], names
 
 
 def test_every_scheduler_policy_kind_is_sampled():
@@ -109,11 +121,30 @@ def test_lpm_with_prefix_caching_matches_single_steps():
     slow = drive(workload, False, names, True, 12)
     fast = drive(workload, True, names, True, 12)
     assert fast[0] == slow[0]
-    assert fast[2:] == slow[2:]
+    assert fast[2:5] == slow[2:5]
 
 
 def test_fast_forward_actually_skips():
     workload = [(0, 3, [51, 52, 53], 30, 1, 0), (0, 3, [54, 55, 56, 57, 58], 25, 2, 0)]
     names = dict(queue="fcfs", preemption="recompute", victim="newest", eviction="lru", allocation="paged")
-    _, skipped, _, _ = drive(workload, True, names, True, 40)
-    assert skipped > 20
+    _, skipped, _, _, _, in_span = drive(workload, True, names, True, 40)
+    assert skipped > 20 and in_span == 0
+
+
+def test_spans_run_through_finishes():
+    """Requests finishing at steps 9, 15 and 30: each finish ends a span and the next span
+    follows with no single step in between. With a request waiting for the blocks a finish
+    frees, the next single step admits it, as step by step."""
+    names = dict(queue="fcfs", preemption="recompute", victim="newest", eviction="lru", allocation="paged")
+    workload = [(0, 3, [51], 30, 1, 0), (0, 3, [52], 15, 1, 0), (0, 3, [53], 9, 2, 0)]
+    slow = drive(workload, False, names, True, 40)
+    fast = drive(workload, True, names, True, 40, through_finishes=True)
+    assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
+    # single steps: the admitting one and the copy-on-write after the n=2 fork (not the finishes)
+    assert fast[5] == 3 and fast[1] == 28
+    assert drive(workload, True, names, True, 40)[1] == 25   # without: each finishing step singly
+    crowded = workload + [(1, 0, [], 20, 1, 0)]                # waits until a finish frees blocks
+    slow = drive(crowded, False, names, True, 12)
+    fast = drive(crowded, True, names, True, 12, through_finishes=True)
+    assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
+    assert fast[5] >= 1
