@@ -104,9 +104,18 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
     """
     if k <= 0:
         return StepResult(updated=[], finished=[])
-    seqs = [seq for r in sched.running for seq in r.seqs]
-    for seq in seqs:
-        seq.token_ids.extend(token_fn(seq, len(seq.token_ids), k))
+    max_len = sched.config.max_model_len
+    seqs: list[Sequence] = []
+    done: list[Sequence] = []                 # at their length limit after the k-th step
+    for request in sched.running:
+        params = request.params
+        for seq in request.seqs:
+            tokens = seq.token_ids
+            tokens.extend(token_fn(seq, len(tokens), k))
+            seqs.append(seq)
+            n = len(tokens)
+            if stop_status(params, None, None, n - seq.num_prompt_tokens, n, max_len) is not None:
+                done.append(seq)
     sched.kv.advance_decodes(seqs, k)
     for seq in seqs:
         seq.num_computed_tokens += k
@@ -120,10 +129,6 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
         m.last_token_time = last
     sched.num_steps += k
     updated = list(sched.running)
-    max_len = sched.config.max_model_len
-    done = [seq for seq in seqs if stop_status(seq.request.params, None, None,
-                                               len(seq.token_ids) - seq.num_prompt_tokens,
-                                               len(seq.token_ids), max_len) is not None]
     if not done:
         return StepResult(updated=updated, finished=[])
     for seq in done:
