@@ -118,7 +118,9 @@ def test_message_size_is_o_changes_not_o_context():
     short, long = decode_bytes(13), decode_bytes(301)
     assert long[0] - short[0] >= 8 * (301 - 13)         # the prefill step carries the prompts once
     assert all(abs(a - b) <= 8 * 3 for a, b in zip(short[2:], long[2:]))   # decode: a few bytes per int
-    assert short[2] < 8 * 16                            # a few bytes per sequence (positional encoding)
+    # A few ints per sequence, each at most 5 bytes in MessagePack: the ids come from a
+    # process-wide counter, so later in a long test session they take more bytes.
+    assert short[2] < 8 * 24
 
 
 # Modules that run inside workers (in-process, worker processes, Ray actors).
