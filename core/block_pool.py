@@ -51,6 +51,10 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self.cached)
 
+    def uncached_free_blocks(self) -> list[int]:
+        """The free blocks that hold no cached prefix (handed out first, most recent last)."""
+        return list(self._free)
+
     # -- allocation -------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:

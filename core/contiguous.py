@@ -38,6 +38,10 @@ class ContiguousBlockPool(BlockPool):
     def num_free(self) -> int:
         return self._num_free
 
+    def gaps(self) -> list[tuple[int, int]]:
+        """Free runs as [start, end) block ranges, in address order."""
+        return [(s, self._ends[s]) for s in self._starts]
+
     def largest_gap(self) -> int:
         return max((self._ends[s] - s for s in self._starts), default=0)
 
@@ -147,7 +151,7 @@ class ContiguousKVCacheManager:
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
 
-    def can_admit(self, plan) -> bool:
+    def can_admit(self, plan, keep_watermark: bool = True) -> bool:   # no watermark: see above
         return self._fits_plan(plan)
 
     # -- allocation -----------------------------------------------------------------------
@@ -217,7 +221,7 @@ class ContiguousKVCacheManager:
     def can_swap_out(self, seqs) -> bool:
         return False
 
-    def can_swap_in(self, seqs) -> bool:
+    def can_swap_in(self, seqs, keep_watermark: bool = True) -> bool:
         return False
 
     def swap_out(self, seqs):
@@ -227,7 +231,7 @@ class ContiguousKVCacheManager:
         raise SwapSpaceExhaustedError("contiguous allocation has no swap space")
 
     # -- steady decode spans -----------------------------------------------------------------
-    def shares_last_block(self, seq: Sequence) -> bool:
+    def writes_into_shared_block(self, seqs: list[Sequence]) -> bool:
         return False                                        # no sharing: a fork copies
 
     def blocks_to_grow(self, seqs: list[Sequence], num_steps: int) -> int:

@@ -45,16 +45,16 @@ def steady_decode_horizon(sched: "Scheduler") -> int:
             return 0
         for seq in request.seqs:
             n = len(seq.token_ids)
-            if n - seq.num_computed_tokens != 1 or kv.shares_last_block(seq):
-                return 0                              # not decoding, or the next step copies on write
+            if n - seq.num_computed_tokens != 1:
+                return 0                              # not a decode
             left = cfg.max_model_len - n
             if params.max_tokens is not None:
                 left = min(left, params.max_tokens - (n - seq.num_prompt_tokens))
             if left - 1 < horizon:
                 horizon = left - 1                    # the step that finishes is run normally
             seqs.append(seq)
-    if horizon <= 0 or len(seqs) > cfg.max_num_batched_tokens:
-        return 0
+    if horizon <= 0 or len(seqs) > cfg.max_num_batched_tokens or kv.writes_into_shared_block(seqs):
+        return 0                                      # (the last: the next step copies on write)
     if sched.swapped:
         if kv.can_swap_in(sched.swapped[0].seqs):
             return 0

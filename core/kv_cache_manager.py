@@ -46,6 +46,8 @@ class KVCacheManager:
         self.hash_block = block_hasher(hash_algo)    # chained over parent key, tokens, salt (core/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockPool(num_gpu_blocks, evictor if enable_prefix_caching else None, "gpu")
+        self._gpu_ref_cnt = self.gpu.ref_cnt          # the pool's list (never replaced): one lookup on the hot path
+        self._last_offset = block_size - 1            # a token here fills its block
         self.cpu = BlockPool(num_cpu_blocks, None, "cpu")
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.tables: dict[int, list[int]] = {}       # seq_id -> GPU block ids
@@ -100,9 +102,23 @@ class KVCacheManager:
         revived = sum(1 for b in cached if self.gpu.ref_cnt[b] == 0) if cached else 0
         return max(need, 0) + revived
 
-    def can_admit(self, plan: list[tuple[Sequence, int, list[int]]]) -> bool:
-        """Could this new work be allocated now, leaving the watermark free?"""
-        return self._leaves_watermark(sum(self.blocks_needed(seq, n, cached) for seq, n, cached in plan))
+    def can_admit(self, plan: list[tuple[Sequence, int, list[int]]], keep_watermark: bool = True) -> bool:
+        """Could this new work be allocated now, leaving the watermark free (unless told
+        not to: with nothing running there is no growth to protect)? A cached block that
+        several of the plan's sequences revive (beams after a recompute share their
+        prefix) leaves the free pool once, so it is counted once."""
+        ref_cnt = self.gpu.ref_cnt
+        revived: set[int] = set()
+        num_blocks = 0
+        for seq, n, cached in plan:
+            num_blocks += self.blocks_needed(seq, n, cached)
+            if cached:
+                dead = [b for b in cached if ref_cnt[b] == 0]
+                num_blocks -= sum(1 for b in dead if b in revived)
+                revived.update(dead)
+        if not keep_watermark:
+            return self.gpu.num_free >= num_blocks
+        return self._leaves_watermark(num_blocks)
 
     def _leaves_watermark(self, num_blocks: int) -> bool:
         """New work must leave the watermark free, so running sequences can still grow."""
@@ -169,10 +185,10 @@ class KVCacheManager:
     def decode_table(self, seq: Sequence) -> list[int] | None:
         # One more token that neither starts a block, nor fills one (nothing to publish),
         # nor lands in a shared block.
-        c, bs = seq.num_computed_tokens, self.block_size
-        if c % bs and (c + 1) % bs:
+        offset = seq.num_computed_tokens % self.block_size
+        if offset and offset != self._last_offset:
             table = self.tables[seq.seq_id]
-            if self.gpu.ref_cnt[table[-1]] == 1:
+            if self._gpu_ref_cnt[table[-1]] == 1:
                 return table
         return None
 
@@ -209,9 +225,9 @@ class KVCacheManager:
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return self._distinct_blocks([self.tables.get(s.seq_id, ()) for s in seqs]) <= self.cpu.num_free
 
-    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+    def can_swap_in(self, seqs: list[Sequence], keep_watermark: bool = True) -> bool:
         need = self._distinct_blocks([self.cpu_tables.get(s.seq_id, ()) for s in seqs])
-        return self._leaves_watermark(need)
+        return self._leaves_watermark(need) if keep_watermark else self.gpu.num_free >= need
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move the group's blocks to the CPU pool; returns (gpu_block, cpu_block) copies."""
@@ -261,8 +277,9 @@ class KVCacheManager:
         """A request left the GPU (finished or recomputed): drop per-request state (none here)."""
 
     # -- steady decode spans (core.event_skipping) -----------------------------------------
-    def shares_last_block(self, seq: Sequence) -> bool:
-        return seq.num_computed_tokens % self.block_size != 0 and self.gpu.ref_cnt[self.tables[seq.seq_id][-1]] > 1
+    def writes_into_shared_block(self, seqs: list[Sequence]) -> bool:
+        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+        return any(s.num_computed_tokens % bs and ref[tables[s.seq_id][-1]] > 1 for s in seqs)
 
     def blocks_to_grow(self, seqs: list[Sequence], num_steps: int) -> int:
         bs, tables = self.block_size, self.tables

@@ -52,9 +52,9 @@ class KVManager(Protocol):
     def find_cached_prefix(self, seq: "Sequence") -> list[int]:
         """Cached blocks covering `seq`'s leading full blocks (always leaves a token to compute)."""
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None: ...
-    def can_admit(self, plan: list[tuple["Sequence", int, list[int]]]) -> bool:
+    def can_admit(self, plan: list[tuple["Sequence", int, list[int]]], keep_watermark: bool = True) -> bool:
         """Could new work (sequences without KV yet, with their prefix hits) be allocated now,
-        leaving the watermark free?"""
+        leaving the watermark free (`keep_watermark=False`: the engine is idle, nothing to protect)?"""
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(self, seq: "Sequence", num_new_tokens: int, cached: list[int] = ()) -> bool:
@@ -77,12 +77,13 @@ class KVManager(Protocol):
     # -- swapping (whole sequence groups) ---------------------------------------------------
     def can_swap_out(self, seqs: list["Sequence"]) -> bool: ...
     def swap_out(self, seqs: list["Sequence"]) -> list[tuple[int, int]]: ...
-    def can_swap_in(self, seqs: list["Sequence"]) -> bool: ...
+    def can_swap_in(self, seqs: list["Sequence"], keep_watermark: bool = True) -> bool: ...
     def swap_in(self, seqs: list["Sequence"]) -> list[tuple[int, int]]: ...
 
     # -- steady decode spans (core.event_skipping) -------------------------------------------
-    def shares_last_block(self, seq: "Sequence") -> bool:
-        """Would `seq`'s next token be written into a block another table holds (a copy)?"""
+    def writes_into_shared_block(self, seqs: list["Sequence"]) -> bool:
+        """Would the next token of any of `seqs` land in a block another table holds (so
+        the step copies on write)?"""
     def blocks_to_grow(self, seqs: list["Sequence"], num_steps: int) -> int:
         """Blocks `num_steps` more decode tokens per sequence would take from the free pool."""
     def free_blocks(self, evicting: bool = True) -> int:

@@ -182,11 +182,12 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             seqs = request.seqs
-            if len(seqs) == 1 and not request.params.beam_width:
+            params = request.params
+            if len(seqs) == 1 and not params.beam_width:
                 # Fast path: a single-sequence decode that the manager can take as is.
                 seq = seqs[0]
                 c = seq.num_computed_tokens
-                if len(seq.token_ids) - c == 1 and (request._forked or request.params.n == 1):
+                if len(seq.token_ids) - c == 1 and (params.n == 1 or request._forked):
                     table = decode_table(seq)
                     if table is not None:
                         scheduled.append(ScheduledSeq(seq, c, 1, 1, table))
@@ -318,7 +319,7 @@ class Scheduler:
         kv = self.kv
         while self.swapped and budget > 0:
             request = self.swapped[0]
-            if not kv.can_swap_in(request.seqs):
+            if not kv.can_swap_in(request.seqs, keep_watermark=bool(self.running)):   # idle: see _try_admission
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(kv.swap_in(request.seqs))
@@ -358,7 +359,10 @@ class Scheduler:
         if self._seq_slots + request.params.num_seqs_max > self.config.max_num_seqs:
             return None
         plan, hits = self._admission_plan(request, budget)
-        if plan and self.kv.can_admit([(seq, n, hits[seq.seq_id]) for seq, n in plan]):
+        # The watermark keeps room for running sequences to grow; an idle engine has none to
+        # protect, and keeping it then could strand a request that fits the pool (liveness).
+        idle = not self.running and not self.swapped
+        if plan and self.kv.can_admit([(seq, n, hits[seq.seq_id]) for seq, n in plan], keep_watermark=not idle):
             return plan, hits
         for seq in request.seqs:
             seq.num_computed_tokens = 0
@@ -419,6 +423,7 @@ class Scheduler:
         beam_batch: dict[int, list[Sequence]] = {}
         last_request = None
         max_len = self.config.max_model_len
+        no_logprobs = top is None and logprobs is None
         for s in out.scheduled:
             if not s.num_samples:
                 continue
@@ -426,17 +431,18 @@ class Scheduler:
             request = seq.request
             if request.status is not RUNNING or seq.status is not RUNNING:
                 continue
-            if request.params.beam_width:
+            params = request.params
+            if params.beam_width:
                 beam_batch.setdefault(id(request), []).append(seq)
                 continue
             toks = token_ids[seq.seq_id]
-            if s.num_samples == 1 and top is None and logprobs is None:
+            if no_logprobs and s.num_samples == 1:
                 # Common path: one token, no logprobs.
                 tok = toks[0]
                 tokens = seq.token_ids
                 tokens.append(tok)
                 n = len(tokens)
-                status = stop_status(request.params, request.eos_token_id, tok, n - seq.num_prompt_tokens, n, max_len)
+                status = stop_status(params, request.eos_token_id, tok, n - seq.num_prompt_tokens, n, max_len)
                 if status is not None:
                     self._finish_seq(seq, status)
                 if request is not last_request:

@@ -262,3 +262,31 @@ def latency_cdfs(samples: Mapping[str, Mapping[str, list[float]]], out: str | Pa
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     return _save(fig, out)
+
+
+def router_comparison(rows: Iterable[Mapping], out: str | Path, *, title: str = "Routers",
+                      panels: tuple[tuple[str, str, float], ...] = (
+                          ("p90_ttft", "p90 TTFT (s)", 1.0), ("mean_tpot", "mean TPOT (ms)", 1e3),
+                          ("prefix_cache_hit_rate", "prefix-cache hit rate (%)", 100.0),
+                          ("slo_attainment", "requests meeting the SLOs (%)", 100.0))) -> Path:
+    """Grouped bars: one group per load (`load` label), one bar per `router`, one panel per
+    metric (rows as `sim run --replicas N --router R` summaries, plus `load`)."""
+    rows = list(rows)
+    loads = list(dict.fromkeys(r["load"] for r in rows))
+    routers = list(dict.fromkeys(r["router"] for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), squeeze=False)
+    width = 0.8 / len(routers)
+    colors = ["#90a4ae", "#1565c0", "#2e7d32", "#ef6c00", "#6a1b9a"]
+    for ax, (key, label, scale) in zip(axes[0], panels):
+        for j, router in enumerate(routers):
+            vals = [next((r[key] * scale for r in rows if r["load"] == load and r["router"] == router), 0.0)
+                    for load in loads]
+            ax.bar([i + (j - (len(routers) - 1) / 2) * width for i in range(len(loads))], vals, width,
+                   label=router, color=colors[j % len(colors)])
+        ax.set_xticks(range(len(loads)))
+        ax.set_xticklabels(loads, fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, out)

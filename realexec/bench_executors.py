@@ -60,10 +60,12 @@ def sample_messages(batch: int = 256, prompt_len: int = 64):
 
 
 def bench_serialization(reps: int) -> list[tuple]:
-    from realexec.serialization import decode_step, decode_step_pickle, encode_step, encode_step_pickle
+    from realexec.serialization import (decode_step, decode_step_map, decode_step_pickle, encode_step,
+                                        encode_step_map, encode_step_pickle)
     rows = []
     for name, msg in zip(("prefill b=256", "decode b=256"), sample_messages()):
-        for codec, enc, dec in (("msgspec", encode_step, decode_step),
+        for codec, enc, dec in (("msgspec arrays (used)", encode_step, decode_step),
+                                ("msgspec maps", encode_step_map, decode_step_map),
                                 ("pickle-5", encode_step_pickle, decode_step_pickle)):
             data = enc(msg)
             t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from core import (CacheConfig, EngineCore, InvalidRequestError, Request, Request
 from core.request import RequestMetrics
 from policies import PolicySet
 from realexec.config import EngineArgs
-from realexec.executor import make_executor
+from realexec.launch import make_executor
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_BATCHED_TOKENS = 2048

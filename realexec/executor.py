@@ -130,29 +130,3 @@ def load_engine_tokenizer(args: EngineArgs):
     """The tokenizer, for executors whose workers live elsewhere."""
     from realexec.loader import load_tokenizer, resolve_model_dir
     return load_tokenizer(resolve_model_dir(args.model))
-
-
-def check_parallel_config(args: EngineArgs) -> None:
-    """Refuse a tensor-parallel degree the model cannot split, before any worker starts."""
-    from realexec.loader import read_model_config
-    from realexec.parallel import check_tensor_parallel
-    check_tensor_parallel(read_model_config(args.model), args.tensor_parallel_size)
-
-
-BACKENDS = ("uni", "mp", "ray")
-
-
-def make_executor(args: EngineArgs) -> ExecutorBase:
-    backend = args.executor_backend()
-    if args.tensor_parallel_size > 1:
-        check_parallel_config(args)
-    if backend == "uni":
-        return UniprocExecutor(args)
-    if backend == "mp":
-        from realexec.mp_executor import MultiprocExecutor
-        return MultiprocExecutor(args)
-    from realexec.ray_executor import RayExecutor
-    return RayExecutor(args)
-
-
-EXECUTORS = {"uni": UniprocExecutor, "uniproc": UniprocExecutor}

@@ -13,9 +13,10 @@
   torch.distributed group there (gloo on CPU, NCCL on GPUs).
 * Steps: the encoded step message is put in the object store once; every actor gets the
   same reference; the driver (rank 0) returns the sampled tokens, the others None.
-* Faults: a dead actor surfaces as RayActorError on its reference (named by rank), a hung
-  one as a timeout (`worker_timeout`) naming the ranks without a result; either way all
-  actors are killed and the placement group removed.
+* Faults: a dead actor surfaces as RayActorError on its reference (named by rank); after
+  `worker_timeout` without a result, the rank whose actor does not answer a liveness probe
+  (served by a second actor thread) is named as hung; either way all actors are killed
+  and the placement group removed.
 """
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ class RayWorkerActor:
 
     def execute(self, data: bytes):
         return self.worker.execute_model(decode_step(data))
+
+    def alive(self) -> int:
+        """Answered from a second actor thread even while a step runs (or waits in a
+        collective); a stopped or wedged process does not answer."""
+        return self.rank
 
     def rpc(self, method: str, args: tuple, kwargs: dict):
         return getattr(self.worker, method)(*args, **kwargs)
@@ -103,7 +109,7 @@ class RayExecutor(ExecutorBase):
                                    f"lower --ray-cpus-per-worker")
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [PROJECT_ROOT, os.environ.get("PYTHONPATH")])),
                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-            cls = ray.remote(RayWorkerActor)
+            cls = ray.remote(max_concurrency=2)(RayWorkerActor)     # calls run in order; `alive` beside them
             self.actors = [cls.options(num_cpus=cpus, num_gpus=1 if gpus else 0, runtime_env={"env_vars": env},
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
                                            placement_group=self.pg, placement_group_bundle_index=rank),
@@ -141,9 +147,18 @@ class RayExecutor(ExecutorBase):
                                                    f"{str(e).strip().splitlines()[0][:300]}"))
             if pending and time.monotonic() > deadline:
                 late = [refs.index(r) for r in pending]
-                raise self._fail(WorkerError(late[0], f"no result for {what} within {self.args.worker_timeout:g} s "
-                                                      f"(ranks without a result: {late})"))
+                silent = self._unresponsive(min(5.0, self.args.worker_timeout))
+                culprit = silent[0] if silent else late[0]
+                raise self._fail(WorkerError(culprit, f"hung during {what}: no result within "
+                                                      f"{self.args.worker_timeout:g} s (ranks without a result: {late}; "
+                                                      f"not answering a liveness probe: {silent})"))
         return ray.get(list(refs))
+
+    def _unresponsive(self, timeout: float = 5.0) -> list[int]:
+        """Ranks whose actor does not answer `alive` within `timeout` seconds."""
+        probes = [a.alive.remote() for a in self.actors]
+        ready, _ = self._ray.wait(probes, num_returns=len(probes), timeout=timeout)
+        return [rank for rank, p in enumerate(probes) if p not in ready]
 
     def _failures(self, refs: list, ready: list) -> list[tuple[int, bool, Exception]]:
         """(rank, died, error) of the ready references that failed."""

@@ -304,8 +304,9 @@ class Worker:
         else:
             sources = self._offloaded
         for name, p in self.model.named_parameters():
-            if name in sources:
-                p.data = sources[name].to(self.device, copy=True)
+            if name in sources:       # level 2: the fresh tensors are already on the device
+                src = sources[name]
+                p.data = src.data if self.sleep_level == 2 else src.to(self.device, copy=True)
         self._offloaded = {}
         self.sleep_level = 0
         self.initialize_cache(*self._cache_blocks)

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hardware", default="H100")
     p.add_argument("--modes", default="skip,step", help="comma-separated: skip (event skipping), step")
     p.add_argument("--profile", metavar="FILE", help="cProfile the event-skipping run of the last workload")
+    p.add_argument("--fleet", type=int, default=0, metavar="N",
+                   help="also run each workload N times faster on N replicas (sim.fleet, least-requests, "
+                        "event skipping) and report its cost relative to one replica")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("skip", "step") for m in modes):
@@ -94,7 +97,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<22} {mode:<5} {len(trace):>8,} {out_tokens:>11,} {result.num_steps:>9,} "
                   f"{result.num_normal_steps:>8,} {wall:>7.2f} {out_tokens / wall:>10,.0f} {summary_s:>9.2f}  {same}",
                   flush=True)
+            if mode == "skip":
+                skip_wall = wall
             del result
+        if args.fleet > 1:
+            from sim.fleet import FleetConfig, simulate_fleet
+            fast = retime(trace, time_scale=1.0 / args.fleet)
+            config = SimConfig(model=args.model, hardware=args.hardware)
+            gc.collect()
+            t0 = time.perf_counter()
+            fleet = simulate_fleet(FleetConfig(config, args.fleet, "least-requests"), fast)
+            wall = time.perf_counter() - t0
+            out_tokens = sum(r.num_output_tokens for r in fleet.records)
+            steps = sum(r.num_steps for r in fleet.replicas)
+            normal = sum(r.num_normal_steps for r in fleet.replicas)
+            ratio = f"  {wall / skip_wall:.2f}x one replica's wall" if "skip" in modes else ""
+            label = f"{name[:3]} {args.fleet} replicas"
+            print(f"{label:<22} {args.fleet}x   {len(fast):>8,} {out_tokens:>11,} {steps:>9,} "
+                  f"{normal:>8,} {wall:>7.2f} {out_tokens / wall:>10,.0f} {'':>9}{ratio}", flush=True)
         print(f"{'':<22} (trace load {load_s:.2f} s)")
         if args.profile:
             import cProfile

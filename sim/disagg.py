@@ -213,7 +213,7 @@ class DisaggFleet(Fleet):
         while d.queue:
             t = d.queue[0]
             need = -(-(len(t.prompt) - 1) // bs)         # the prompt's KV (the first token is computed there)
-            if not kv.can_admit(need):
+            if kv.gpu.num_free - need < kv.watermark_blocks:   # the decode side's admission rule
                 break
             d.interrupt_at(now)                          # a pending span must not see the pool shrink
             d.queue.popleft()

@@ -39,13 +39,13 @@ from dataclasses import asdict, dataclass, field
 
 import simpy
 
-from core.config import default_max_model_len, default_max_num_batched_tokens
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
+from core.config import default_max_model_len, default_max_num_batched_tokens
 from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
 from core.metrics import RequestRecord
 from policies import PolicySet
-from sim.config import DEFAULT_HARDWARE, DEFAULT_MODEL, SimConfig  # noqa: F401 (re-exported)
+from sim.config import SimConfig
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from sim.fitted_cost import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
@@ -457,12 +457,14 @@ class SimEngine:
         gpu = sched.kv.gpu
         used = gpu.num_used
         span_model = SpanModel(sched, num_seqs)
-        span_at, mem_add = span_model.at, self.memory.add
+        span_at = span_model.at
         mem_before = list(self.memory.w)
         running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
         w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
         ends: list[float] = []
-        append = ends.append
+        used_at: list[int] = []
+        all_durations: list[float] = []
+        append, append_used = ends.append, used_at.append
         i = 0
         while True:
             for dt in durations:
@@ -471,7 +473,7 @@ class SimEngine:
                 if late and i in late:
                     starts[i % bs] += late.pop(i)
                 used += starts[i % bs]
-                mem_add(dt, span_at(i, used))
+                append_used(used)
                 w_used += used * dt
                 w_run += running * dt
                 w_wait += waiting * dt
@@ -481,10 +483,13 @@ class SimEngine:
                 i += 1
             else:
                 if i < horizon and t < limit:          # the estimate fell short: price more
+                    all_durations += durations
                     durations = step_times(num_seqs, context_sum + i * num_seqs, min(horizon - i, 64))
                     continue
             break
         k = i
+        all_durations += durations
+        span_model.accumulate(self.memory.w, all_durations, used_at, 0, k)
         span_used = w_used - self._w_used
         self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
         if used > self._max_used:

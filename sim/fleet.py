@@ -61,18 +61,60 @@ class FleetConfig:
         return self.replicas * self.replica.tp
 
 
+# Steps a replica plans when a span starts; a span that is not cut doubles its plan.
+FIRST_CHUNK = 32
+
+
 class Span:
-    """A planned steady-decode span of one replica: step end times and KV blocks in use
-    per step, committed to the core in order, possibly in several pieces."""
+    """A steady-decode span of one replica, planned ahead in growing chunks (step end times
+    and KV blocks in use per step) and committed to the core in order, possibly in pieces."""
 
-    __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut")
+    __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon",
+                 "_price", "_num_seqs", "_context_sum", "_starts", "_late", "_bs", "_used", "_t")
 
-    def __init__(self, start: float, durations: list[float], ends: list[float], used: list[int],
-                 model: SpanModel, counts: tuple[int, int, int]):
-        self.start, self.durations, self.ends, self.used = start, durations, ends, used
-        self.model, self.counts = model, counts
+    def __init__(self, replica: "Replica", horizon: int):
+        sched = replica.scheduler
+        self.start = self._t = replica.clock
+        self.horizon = horizon
+        self._num_seqs, self._context_sum = steady_decode_shape(sched)
+        self._price = replica.executor.decode_step_times
+        # A sequence with c cached tokens and a table of b blocks takes a new block at steps
+        # j0 = b * block_size - c, j0 + block_size, ... (as sim.engine's span accounting).
+        bs = self._bs = replica.resolved.cache.block_size
+        starts, late, tables = [0] * bs, {}, sched.kv.tables
+        for request in sched.running:
+            for seq in request.seqs:
+                j0 = len(tables[seq.seq_id]) * bs - seq.num_computed_tokens
+                if j0 < bs:
+                    starts[j0] += 1
+                else:
+                    late[j0] = late.get(j0, 0) + 1
+        self._starts, self._late = starts, late
+        self._used = sched.kv.gpu.num_used
+        self.durations: list[float] = []
+        self.ends: list[float] = []
+        self.used: list[int] = []
+        self.model = SpanModel(sched, self._num_seqs)
+        self.counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
         self.done = 0            # steps already applied to the core
         self.cut: int | None = None
+
+    def extend(self, n: int) -> None:
+        """Plan the next n steps (cut spans never price the steps they do not run)."""
+        i0 = len(self.ends)
+        durations = self._price(self._num_seqs, self._context_sum + i0 * self._num_seqs, n)
+        starts, late, bs = self._starts, self._late, self._bs
+        used, t = self._used, self._t
+        used_at, ends = self.used, self.ends
+        for i, dt in enumerate(durations, i0):
+            if late and i in late:
+                starts[i % bs] += late.pop(i)
+            used += starts[i % bs]
+            used_at.append(used)
+            t = t + dt
+            ends.append(t)
+        self.durations += durations
+        self._used, self._t = used, t
 
     def steps_started_before(self, t: float) -> int:
         if t <= self.start:
@@ -227,50 +269,31 @@ class Replica(SimEngine):
             self.clock = woken
 
     def _skip(self):
-        """Plan a steady-decode span to the horizon; commit it at its end, or up to the
-        step in progress when a request is routed here first."""
+        """Run a steady-decode span up to the horizon (planned in doubling chunks); commit it
+        at its end, or up to the step in progress when a request is routed here first."""
         if self.inbox or self.fleet.arrival_pending(self.clock):
             return                           # an arrival is due at this boundary
         sched = self.scheduler
         horizon = steady_decode_horizon(sched)
         if horizon <= 0:
             return
-        start = self.clock
-        num_seqs, context_sum = steady_decode_shape(sched)
-        durations = self.executor.decode_step_times(num_seqs, context_sum, horizon)
-        bs = self.resolved.cache.block_size
-        starts = [0] * bs
-        late: dict[int, int] = {}
-        tables = sched.kv.tables
-        for request in sched.running:
-            for seq in request.seqs:
-                j0 = len(tables[seq.seq_id]) * bs - seq.num_computed_tokens
-                if j0 < bs:
-                    starts[j0] += 1
-                else:
-                    late[j0] = late.get(j0, 0) + 1
-        used = sched.kv.gpu.num_used
-        used_at: list[int] = []
-        ends: list[float] = []
-        t = start
-        for i, dt in enumerate(durations):
-            if late and i in late:
-                starts[i % bs] += late.pop(i)
-            used += starts[i % bs]
-            used_at.append(used)
-            t = t + dt
-            ends.append(t)
-        span = Span(start, durations, ends, used_at, SpanModel(sched, num_seqs),
-                    (len(sched.running), len(sched.waiting), len(sched.swapped)))
+        span = Span(self, horizon)
+        span.extend(min(horizon, FIRST_CHUNK))
         self._span = span
-        try:
-            yield self.env.timeout(max(0.0, ends[-1] - self.env.now))
-        except simpy.Interrupt:
-            pass
+        env = self.env
+        while True:
+            try:
+                yield env.timeout(max(0.0, span.ends[-1] - env.now))
+            except simpy.Interrupt:
+                pass
+            planned = len(span.ends)
+            if span.cut is not None or planned >= horizon:
+                break
+            span.extend(min(horizon - planned, planned))    # doubling chunks
         self._span = None
-        k = len(ends) if span.cut is None else span.cut
+        k = len(span.ends) if span.cut is None else span.cut
         self._commit(span, k)
-        if k < len(ends):
+        if k < len(span.ends):
             yield self.env.timeout(max(0.0, span.end_of(k) - self.env.now))
         self.clock = span.end_of(k)
         if self.after_step is not None:
@@ -284,12 +307,12 @@ class Replica(SimEngine):
             return
         sched = self.scheduler
         running, waiting, swapped = span.counts
-        durations, used_at, span_at, mem_add = span.durations, span.used, span.model.at, self.memory.add
+        durations, used_at = span.durations, span.used
         mem_before = list(self.memory.w[:4])
+        span.model.accumulate(self.memory.w, durations, used_at, i0, k)
         w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
         for i in range(i0, k):
             dt, used = durations[i], used_at[i]
-            mem_add(dt, span_at(i, used))
             w_used += used * dt
             w_run += running * dt
             w_wait += waiting * dt

@@ -73,6 +73,30 @@ class SpanModel:
         return tok, res, internal, self.ext, free, used, self.logical + used - self.used
 
 
+    def accumulate(self, w: list[float], durations, used_at, i0: int, k: int) -> None:
+        """Add steps i0..k-1 of the span to the integrals `w` (MemoryAccumulator.w): the
+        same products, added in the same order, as `w += at(i, used_at[i]) * durations[i]`
+        step by step (bit-identical), without building a tuple per step."""
+        w0, w1, w2, w3, w4, w5, w6 = w
+        n, bs, used0, ext = self.n, self.bs, self.used, self.ext
+        tok0, res0, free0, logical0, total = self.tok, self.res, self.free, self.logical, self.total
+        reserves = self.reserves
+        for i in range(i0, k):
+            dt, used = durations[i], used_at[i]
+            grown = (i + 1) * n
+            tok = tok0 + grown
+            res = res0 - grown if reserves else res0
+            free = free0 - bs * (used - used0)
+            w0 += tok * dt
+            w1 += res * dt
+            w2 += (total - tok - res - ext - free) * dt
+            w3 += ext * dt
+            w4 += free * dt
+            w5 += used * dt
+            w6 += (logical0 + used - used0) * dt
+        w[:] = (w0, w1, w2, w3, w4, w5, w6)
+
+
 class MemoryAccumulator:
     """Time integrals (value x seconds) of each sample field, added step by step."""
 
@@ -87,8 +111,13 @@ class MemoryAccumulator:
 
     def add(self, dt: float, s: tuple) -> None:
         w = self.w
-        for j in range(7):
-            w[j] += s[j] * dt
+        w[0] += s[0] * dt
+        w[1] += s[1] * dt
+        w[2] += s[2] * dt
+        w[3] += s[3] * dt
+        w[4] += s[4] * dt
+        w[5] += s[5] * dt
+        w[6] += s[6] * dt
 
     def summary(self, total_time: float) -> tuple[dict, dict]:
         """(memory_breakdown, kv_sharing) entries of summary.json."""

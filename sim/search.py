@@ -200,6 +200,7 @@ def format_table(spec: SearchSpec, rows: list[dict], limit: int = 15) -> str:
 
 def plot_pareto(spec: SearchSpec, rows: list[dict], out: str | Path) -> Path:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -218,6 +219,7 @@ def plot_pareto(spec: SearchSpec, rows: list[dict], out: str | Path) -> Path:
                     textcoords="offset points")
     ax.axhline(spec.qps, color="#c62828", ls="--", lw=1, label=f"target {spec.qps:g} req/s")
     ax.set_xlabel("GPUs")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("max req/s meeting the p90 SLOs")
     ax.set_title(f"Config search: {spec.base.model} on {spec.base.hardware} "
                  f"(TTFT {spec.slo_ttft_p90 * 1e3:g} ms, TPOT {spec.slo_tpot_p90 * 1e3:g} ms)", fontsize=9)

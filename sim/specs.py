@@ -153,6 +153,9 @@ MODELS: dict[str, ModelSpec] = {
         _llama("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000, 4096, "meta-llama/Llama-2-13b-hf"),
         _llama("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000, 4096, "meta-llama/Llama-2-70b-hf"),
         _llama("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, 8192, "meta-llama/Meta-Llama-3-8B"),
+        # Llama 3.1: the same network with a 128K context (meta-llama/Llama-3.1-8B config.json);
+        # long-prompt traces (Mooncake) need it.
+        _llama("Llama-3.1-8B", 32, 4096, 32, 8, 14336, 128256, 131072, "meta-llama/Llama-3.1-8B"),
         _llama("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, 8192, "HuggingFaceTB/SmolLM2-135M",
                tie=True),
     )

@@ -27,11 +27,11 @@ def test_first_fit_pool_keeps_runs_contiguous_and_merges(ops):
         used = {b for r in held for b in r}
         assert pool.num_free == 24 - len(used)
         assert all((pool.ref_cnt[b] == 1) == (b in used) for b in range(24))
-        gaps = [(s, pool._ends[s]) for s in pool._starts]
+        gaps = pool.gaps()
         assert all(e1 < s2 for (_, e1), (s2, _) in zip(gaps, gaps[1:])), "adjacent gaps must merge"
     for r in held:
         pool.free(r)
-    assert pool._starts == [0] and pool._ends == {0: 24}
+    assert pool.gaps() == [(0, 24)]
 
 
 def _token_state_share(allocation: str, seed: int = 0) -> tuple[float, int]:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from sim import SimConfig
 from sim.disagg import LINKS, DisaggConfig, DisaggFleet, parse_split
@@ -54,6 +54,7 @@ def tiny_trace(lens: list[tuple[int, int]], gap: float) -> Trace:
     return Trace([TraceRequest(f"r{i}", round(i * gap, 6), p, o) for i, (p, o) in enumerate(lens)], "synthetic")
 
 
+@settings(max_examples=min(settings().max_examples, 300))   # each example is a fleet simulation
 @given(st.lists(st.tuples(st.integers(1, 700), st.integers(1, 60)), min_size=1, max_size=25),
        st.sampled_from([0.0, 0.01, 0.1]), st.integers(1, 2), st.integers(1, 2), st.sampled_from(list(LINKS)))
 def test_disaggregation_conserves_requests_and_blocks(lens, gap, p, d, link):

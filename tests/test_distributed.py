@@ -116,6 +116,24 @@ def test_tp2_mp_matches_tp1(mp_llm, reference):
     assert (swaps, recomputes, hits) == reference[1:]       # the same schedule, not just the same tokens
 
 
+def test_per_rank_kv_capacity_is_one_function_for_sim_and_workers(mp_llm, tiny, monkeypatch):
+    """Each rank budgets its own KV heads (half of them at TP=2: twice the blocks), through
+    core.kv_capacity, the function `python -m sim run --tp N` sizes its cache with."""
+    import core.kv_capacity as kvc
+    from sim.cost_model import kv_block_bytes
+    from sim.specs import get_model
+
+    per_rank = mp_llm.engine.executor.collective_rpc("determine_num_available_blocks")
+    one_rank = kvc.kv_blocks_per_rank(2**30, 4, num_layers=2, num_kv_heads=2, head_dim=16, dtype_bytes=4)
+    assert per_rank == [(2 * one_rank, per_rank[0][1])] * 2
+    worker = LLM(model=tiny, block_size=4, num_gpu_blocks=16).engine.executor.driver
+    llama = get_model("Llama-2-13B")
+    before = kv_block_bytes(llama, 16, 2)
+    monkeypatch.setattr(kvc, "kv_heads_per_rank", lambda heads, tp: 1000)   # both must follow
+    assert kv_block_bytes(llama, 16, 2) == before * 1000 // -(-llama.num_kv_heads // 2)
+    assert worker.bytes_per_block() == 2 * 2 * 1000 * 16 * 4 * 4           # K+V, layers, heads, dim, fp32, bs
+
+
 def test_tp2_ray_matches_tp1(tiny, reference, ray_cluster):
     llm = LLM(model=tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **TIGHT)
     ex = llm.engine.executor
@@ -137,6 +155,27 @@ def test_tp2_ray_matches_tp1(tiny, reference, ray_cluster):
         while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+    finally:
+        llm.shutdown()
+
+
+def test_ray_hung_actor_named(tiny, ray_cluster):
+    """A stopped actor (SIGSTOP) is found by the liveness probe once worker_timeout passes."""
+    llm = LLM(model=tiny, tensor_parallel_size=2, distributed_executor_backend="ray", block_size=4,
+              num_gpu_blocks=64)
+    ex = llm.engine.executor
+    ex.args.worker_timeout = 3.0              # after start-up (loading may take longer here)
+    try:
+        llm.engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, **GREEDY))
+        llm.engine.step()
+        os.kill(ex.pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker rank 1 failed: hung during step \d+.*"
+                                              r"not answering a liveness probe: \[1\]"):
+            while True:
+                llm.engine.step()
+        assert time.monotonic() - t0 < 20
+        assert_gone(ex.pids)
     finally:
         llm.shutdown()
 

@@ -196,14 +196,14 @@ def test_multi_turn_prompts_carry_previous_turns_and_arrive_after_them(sharegpt)
     convs = trace.conversations()
     assert 60 / 4 <= len(convs) < 60 / 2 + 5 and max(map(len, convs)) <= 4
     engine = SimEngine(resolve(SimConfig(**OPT, enable_prefix_caching=True)), trace)
-    made = {}
-    make = engine._make_request
+    made = {}                                   # trace index -> the request the engine built
+    add = engine.scheduler.add_request
 
-    def capture(i, *args):
-        made[i] = make(i, *args)
-        return made[i]
+    def capture(request):
+        made[request.user_data] = request
+        return add(request)
 
-    engine._make_request = capture
+    engine.scheduler.add_request = capture
     result = engine.run()
     followups = [i for i, p in enumerate(trace.parents) if p >= 0]
     assert followups

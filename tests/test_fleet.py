@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from core import Request, SamplingParams
 from policies import REGISTRY, make
@@ -33,6 +33,7 @@ class View:
         return self.hit
 
 
+CHEAP = settings(max_examples=min(settings().max_examples, 500))
 views = st.lists(st.builds(View, st.integers(0, 20), st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]),
                            st.sampled_from([0, 16, 32, 64])), min_size=1, max_size=6)
 REQ = Request("r", [1, 2, 3], SamplingParams(max_tokens=1))
@@ -42,6 +43,7 @@ def test_routers_are_registered():
     assert set(REGISTRY["router"]) == {"round-robin", "least-requests", "least-kv", "prefix-aware"}
 
 
+@CHEAP
 @given(st.integers(1, 6), st.lists(st.integers(0, 20), min_size=1, max_size=30))
 def test_round_robin_cycles_regardless_of_load(n, loads):
     router = make("router", "round-robin")
@@ -49,6 +51,7 @@ def test_round_robin_cycles_regardless_of_load(n, loads):
     assert picks == [i % n for i in range(len(loads))]
 
 
+@CHEAP
 @given(views)
 def test_least_requests_picks_the_first_least_loaded(vs):
     i = make("router", "least-requests").choose(REQ, vs)
@@ -56,6 +59,7 @@ def test_least_requests_picks_the_first_least_loaded(vs):
     assert all(v.outstanding > vs[i].outstanding for v in vs[:i])
 
 
+@CHEAP
 @given(views)
 def test_least_kv_picks_lowest_usage_then_fewest_requests(vs):
     i = make("router", "least-kv").choose(REQ, vs)
@@ -64,6 +68,7 @@ def test_least_kv_picks_lowest_usage_then_fewest_requests(vs):
     assert all((v.kv_usage, v.outstanding) > best for v in vs[:i])
 
 
+@CHEAP
 @given(views, st.integers(0, 10), st.sampled_from([1.0, 1.5, 3.0]))
 def test_prefix_aware_prefers_the_longest_cached_prefix_under_its_load_guard(vs, abs_t, rel_t):
     router = PrefixAwareRouter(abs_threshold=abs_t, rel_threshold=rel_t)
@@ -83,7 +88,7 @@ def test_prefix_aware_prefers_the_longest_cached_prefix_under_its_load_guard(vs,
 
 @pytest.fixture(scope="module")
 def sharegpt():
-    return retime(load_trace(SHAREGPT), rate=40.0, num_requests=250)
+    return retime(load_trace(SHAREGPT), rate=40.0, num_requests=150)
 
 
 @pytest.mark.parametrize("skipping", [True, False])
@@ -120,6 +125,7 @@ fleet_cases = st.tuples(
 )
 
 
+@settings(max_examples=min(settings().max_examples, 300))   # each example is two simulations
 @given(fleet_cases)
 def test_fleet_serves_every_request_once_and_routing_ignores_event_skipping(case):
     n, groups, gap, router = case
@@ -137,6 +143,8 @@ def test_fleet_serves_every_request_once_and_routing_ignores_event_skipping(case
     assert sum(rec.status == "length" for rec in skip.records) == len(trace.requests)
     if router == "round-robin":
         assert skip.replica_of == [i % n for i in range(len(trace.requests))]
+    if n == 1:                                   # equal arrival times included
+        assert skip.records == simulate(resolve(config), trace).records
 
 
 def test_prefix_aware_keeps_conversations_together_and_hits_more():
@@ -174,3 +182,25 @@ def test_bad_fleet_settings_are_rejected():
         FleetConfig(SMALL, 2, "random").validate()
     with pytest.raises(ValueError, match="prefix-caching"):
         FleetConfig(SMALL, 2, "prefix-aware").validate()
+
+
+def test_cli_fleet_and_disaggregated_runs_write_fleet_results(tmp_path, capsys):
+    import csv
+    import json
+    from sim.cli import main as cli_main
+    common = ["run", str(SHAREGPT), "--model", "Llama-3-8B", "--hardware", "H100", "--num-requests", "60",
+              "--rate", "20", "--quiet", "--slo-ttft", "1", "--slo-tpot", "0.1"]
+    assert cli_main(common + ["--replicas", "3", "--router", "least-requests", "--out", str(tmp_path / "f")]) == 0
+    s = json.loads((tmp_path / "f" / "summary.json").read_text())
+    rows = list(csv.DictReader(open(tmp_path / "f" / "requests.csv")))
+    assert len(rows) == 60 and {r["replica"] for r in rows} == {"0", "1", "2"}
+    assert s["num_gpus"] == 3 and len(s["replicas"]) == 3 and 0 < s["goodput"] <= s["request_throughput"]
+    assert cli_main(common + ["--disaggregate", "1:2", "--link", "pcie", "--out", str(tmp_path / "d")]) == 0
+    s = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert s["config"]["disaggregate"] == "1:2" and s["disaggregation"]["link"] == "pcie" and s["num_gpus"] == 3
+    assert "KV transfers" in capsys.readouterr().out
+    for bad, msg in ((["--disaggregate", "2"], "P:D"), (["--replicas", "2", "--router", "prefix-aware"], "prefix"),
+                     (["--slo-ttft", "1"], "goodput")):
+        args = [a for a in common if a not in ("--slo-ttft", "--slo-tpot", "1", "0.1")] + bad
+        assert cli_main(args + ["--out", str(tmp_path / "x")]) == 2
+        assert msg in capsys.readouterr().err

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import assume, given, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core import KVCacheManager, Request, SamplingParams
 from core.block_pool import BlockPool
@@ -165,7 +165,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             for b in t:
                 holders[b] += 1
         assert holders == pool.ref_cnt, f"{pool.name}: refcounts differ from table membership"
-        free = list(pool._free)
+        free = pool.uncached_free_blocks()
         evictable = [b for b in range(pool.num_blocks) if pool.evictor is not None and b in pool.evictor]
         assert len(set(free)) == len(free)
         assert not set(free) & set(evictable)

@@ -7,7 +7,7 @@ outputs of an unpreempted run; budgets, FCFS order and liveness are checked too.
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, given, settings, strategies as st
+from hypothesis import event, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
@@ -130,6 +130,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
+        self.busy_before_step = bool(self.sched.running or self.sched.swapped)
         result = self.engine.step()
         out = self.executor.steps[-1] if self.executor.steps else None
         self.finished.extend(result.finished)
@@ -144,9 +145,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.aborted.add(rid)
 
     def _check_step(self, out):
-        if out.admitted:
+        if out.admitted and self.busy_before_step:
             # Admissions (the last thing schedule() does) leave the watermark free, so
-            # running sequences can still grow.
+            # running sequences can still grow (an idle engine has nothing to protect).
             assert self.executor.free_during[-1] >= self.sched.kv.watermark_blocks, "admission ate the watermark"
         assert out.num_batched_tokens <= self.cfg.max_num_batched_tokens
         assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled)
@@ -351,3 +352,46 @@ def test_beam_search_returns_ranked_beams():
     scores = [beam_score(s, 1.0) for s in beams]
     assert scores == sorted(scores, reverse=True)
     assert sched.kv.gpu.num_used == 0
+
+
+def test_recomputed_beams_sharing_a_cached_prefix_are_readmitted():
+    """Found by the machine: after a recompute, two beams revive the same cached prefix
+    blocks. Counting those blocks once per beam (and keeping the watermark with nothing
+    running) left the request waiting forever in an idle engine."""
+    engine, sched, ex = make_engine(max_num_seqs=6, max_num_batched_tokens=32, max_model_len=32,
+                                    enable_chunked_prefill=False, block_size=BS, num_gpu_blocks=9,
+                                    enable_prefix_caching=True, watermark=0.25)
+    shared = [7, 7, 8, 8, 9, 9, 10, 10]
+    engine.add_request(Request("n2", shared + [0, 0, 0], SamplingParams(n=2, max_tokens=4), eos_token_id=EOS))
+    engine.add_request(Request("beam", shared + [42, 0, 0], SamplingParams(beam_width=2, max_tokens=3),
+                               eos_token_id=EOS))
+    engine.run_until_done(200)
+    assert sched.num_preemptions > 0            # the beam request was recomputed ...
+    assert sched.kv.gpu.num_used == 0           # ... and everything finished
+
+
+def test_an_idle_engine_readmits_a_recomputed_group_larger_than_the_watermark_allows():
+    """A recomputed n=2 group re-prefills each sample privately: 2 x 4 blocks, more than the
+    8 - 2 the watermark leaves. With nothing running the watermark has nothing to protect."""
+    engine, sched, ex = make_engine(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=32, block_size=BS,
+                                    num_gpu_blocks=8, watermark=0.2)
+    engine.add_request(Request("c", [1], SamplingParams(max_tokens=8, ignore_eos=True), eos_token_id=EOS))
+    engine.add_request(Request("g", [2] * 6, SamplingParams(n=2, max_tokens=8, ignore_eos=True), eos_token_id=EOS))
+    engine.run_until_done(500)
+    assert sched.num_preemptions > 0
+    assert sched.kv.gpu.num_used == 0
+
+
+def test_admission_counts_a_shared_revived_block_once():
+    engine, sched, ex = make_engine(max_num_batched_tokens=64, max_model_len=20, block_size=BS, num_gpu_blocks=5,
+                                    enable_prefix_caching=True, watermark=0.0)
+    prompt = list(range(9))
+    engine.add_request(Request("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    engine.run_until_done(10)                   # its two full blocks stay cached, refcount 0
+    kv = sched.kv
+    twins = [Request(f"t{i}", prompt, SamplingParams(max_tokens=1)).seqs[0] for i in range(2)]
+    plan = [(seq, 1, kv.find_cached_prefix(seq)) for seq in twins]
+    assert [len(c) for _, _, c in plan] == [2, 2]
+    # Each needs one new block; the two cached blocks leave the free pool once: 2 + 2 = 4 <= 5.
+    assert kv.can_admit(plan)
+    assert sum(kv.blocks_needed(s, n, c) for s, n, c in plan) == 6   # per-sequence counts overlap

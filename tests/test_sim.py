@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -266,31 +267,31 @@ def test_old_flag_spellings_still_work_with_a_warning(capsys):
         assert f"{flag} is deprecated; use {replacement}" in err
 
 
-def test_help_lists_every_queue_policy_and_hides_old_spellings():
+def _help(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_queue_policy_and_hides_old_spellings(capsys):
     from policies import REGISTRY
-    from sim.cli import build_parser
-    sub = build_parser()._subparsers._group_actions[0].choices
     for command in ("run", "sweep", "compare", "sharing"):
-        text = sub[command].format_help()
+        text = _help(cli_main, [command], capsys)
         assert " | ".join(REGISTRY["queue"]) in text and "lpm" in text
         assert "--queue-policy" in text and "--queue " not in text and "--swap-space-gib" not in text
         assert "most sequences running at once" in text        # --max-num-seqs has a description
 
 
-def test_sim_and_real_engine_share_flag_names():
+def test_sim_and_real_engine_share_flag_names(capsys):
     """The knobs both backends have are spelled the same on both command lines."""
-    import dataclasses
-    from realexec.config import EngineArgs, add_engine_args
-    from sim.cli import build_parser
-    import argparse
-    real = {s for a in add_engine_args(argparse.ArgumentParser())._actions for s in a.option_strings}
-    sim_run = build_parser()._subparsers._group_actions[0].choices["run"]
-    sim = {s for a in sim_run._actions if a.help != argparse.SUPPRESS for s in a.option_strings}
-    shared = {"--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--num-gpu-blocks",
-              "--gpu-memory-utilization", "--swap-space", "--enable-prefix-caching", "--enable-chunked-prefill",
-              "--watermark", "--queue-policy", "--preemption-mode", "--victim-policy", "--eviction-policy", "--seed"}
-    assert shared <= real and shared <= sim
-    assert {f.name for f in dataclasses.fields(EngineArgs)} >= {"queue_policy", "swap_space"}
+    from realexec.cli import main as real_main
+    real = _help(real_main, ["serve"], capsys)
+    sim = _help(cli_main, ["run"], capsys)
+    for flag in ("--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                 "--num-gpu-blocks", "--gpu-memory-utilization", "--swap-space", "--enable-prefix-caching",
+                 "--no-enable-chunked-prefill", "--watermark", "--queue-policy", "--preemption-mode",
+                 "--victim-policy", "--eviction-policy", "--seed"):
+        assert re.search(rf"{flag}\b(?!-)", real) and re.search(rf"{flag}\b(?!-)", sim), flag
 
 
 def test_every_sim_config_field_is_a_flag():
