@@ -19,7 +19,7 @@ from sim.fitted_cost import FittedCostModel
 from sim.specs import get_hardware, get_model
 from traces.model import Trace, TraceRequest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 

@@ -16,9 +16,9 @@ from policies import PolicySet
 from realexec.model_runner import ModelRunner
 from realexec.serialization import (decode_step, decode_step_map, decode_step_pickle, encode_step, encode_step_map,
                                     encode_step_pickle)
-from tests.toy_executor import VOCAB, ToyExecutor
+from tests.core.toy_executor import VOCAB, ToyExecutor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BS = 4
 
 
