@@ -5,7 +5,7 @@ and nothing is admitted, swapped, preempted, copied or finished. The simulator a
 `steady_decode_horizon` how long the span lasts, prices its steps, and applies them
 with `fast_forward`, which allocates (and publishes to the prefix cache) exactly as
 that many `schedule()` + `update()` calls would, so both modes give identical results
-(tests/test_event_skipping.py checks this under every registered policy combination).
+(tests/core/test_event_skipping.py checks this under every registered policy combination).
 The real engine never uses this module.
 """
 from __future__ import annotations

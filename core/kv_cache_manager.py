@@ -90,35 +90,30 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     # -- capacity checks ----------------------------------------------------------------
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
-        """GPU blocks `allocate_slots(seq, num_new_tokens, cached)` would take from the free pool."""
+    def _fresh_blocks(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
+        """New blocks (and copy-on-write copies) `allocate_slots` would allocate."""
         table = self.tables.get(seq.seq_id)
         have = len(table) if table else len(cached)
         computed = seq.num_computed_tokens if table else len(cached) * self.block_size
         need = -(-(computed + num_new_tokens) // self.block_size) - have
         if table and computed % self.block_size and self.gpu.ref_cnt[table[-1]] > 1:
             need += 1                                   # copy-on-write of the shared last block
+        return max(need, 0)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
+        """GPU blocks `allocate_slots(seq, num_new_tokens, cached)` would take from the free pool."""
         # Reviving a cached block with refcount 0 removes it from the free count.
         revived = sum(1 for b in cached if self.gpu.ref_cnt[b] == 0) if cached else 0
-        return max(need, 0) + revived
+        return self._fresh_blocks(seq, num_new_tokens, cached) + revived
 
     def can_admit(self, plan: list[tuple[Sequence, int, list[int]]], keep_watermark: bool = True) -> bool:
         """Could this new work be allocated now, leaving the watermark free (unless told
-        not to: with nothing running there is no growth to protect)? A cached block that
-        several of the plan's sequences revive (beams after a recompute share their
-        prefix) leaves the free pool once, so it is counted once."""
-        ref_cnt = self.gpu.ref_cnt
-        revived: set[int] = set()
-        num_blocks = 0
-        for seq, n, cached in plan:
-            num_blocks += self.blocks_needed(seq, n, cached)
-            if cached:
-                dead = [b for b in cached if ref_cnt[b] == 0]
-                num_blocks -= sum(1 for b in dead if b in revived)
-                revived.update(dead)
-        if not keep_watermark:
-            return self.gpu.num_free >= num_blocks
-        return self._leaves_watermark(num_blocks)
+        not to: an idle engine has no growth to protect)? Cached blocks several sequences
+        hit (a recomputed n > 1 or beam request) are revived once."""
+        ref = self.gpu.ref_cnt
+        revived = {b for _, _, cached in plan for b in cached if ref[b] == 0}
+        need = sum(self._fresh_blocks(seq, n, cached) for seq, n, cached in plan) + len(revived)
+        return self._leaves_watermark(need) if keep_watermark else self.gpu.num_free >= need
 
     def _leaves_watermark(self, num_blocks: int) -> bool:
         """New work must leave the watermark free, so running sequences can still grow."""

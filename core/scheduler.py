@@ -425,7 +425,8 @@ class Scheduler:
         max_len = self.config.max_model_len
         no_logprobs = top is None and logprobs is None
         for s in out.scheduled:
-            if not s.num_samples:
+            num_samples = s.num_samples
+            if not num_samples:
                 continue
             seq = s.seq
             request = seq.request
@@ -436,7 +437,7 @@ class Scheduler:
                 beam_batch.setdefault(id(request), []).append(seq)
                 continue
             toks = token_ids[seq.seq_id]
-            if no_logprobs and s.num_samples == 1:
+            if no_logprobs and num_samples == 1:
                 # Common path: one token, no logprobs.
                 tok = toks[0]
                 tokens = seq.token_ids

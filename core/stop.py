@@ -20,8 +20,8 @@ def stop_status(params: SamplingParams, eos_token_id: int | None, token: int | N
                 num_tokens: int, max_model_len: int) -> RequestStatus | None:
     """The finish status of a sequence whose last token is `token` (None: check only the
     length limits), with `num_output_tokens` outputs and `num_tokens` tokens in all."""
-    if token is not None and num_output_tokens >= params.min_tokens and (
-            (token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids):
+    if token is not None and ((token == eos_token_id and not params.ignore_eos) or token in params.stop_token_ids) \
+            and num_output_tokens >= params.min_tokens:
         return STOPPED
     max_tokens = params.max_tokens
     if (max_tokens is not None and num_output_tokens >= max_tokens) or num_tokens >= max_model_len:

@@ -18,6 +18,7 @@ fitted model (plain JSON; `python -m sim run --cost-model FILE` reads it).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import sys
@@ -127,6 +128,7 @@ def profile(engine, *, quick: bool, repeats: int, folds: int = 5, log=print) -> 
     chunk = engine.scheduler.config.max_num_batched_tokens
     work = grid(chunk, quick)
     runner = _Runner(engine)
+    load_before = os.getloadavg()
     with StepRecorder(engine, worker_timings=True) as rec:
         for kind in ("prefill", "decode", "mixed"):            # warm-up: one of each, discarded
             runner.run(*next(w for w in work if w[0] == kind))
@@ -146,6 +148,7 @@ def profile(engine, *, quick: bool, repeats: int, folds: int = 5, log=print) -> 
         "engine": {"block_size": engine.args.block_size, "max_num_batched_tokens": chunk,
                    "max_num_seqs": engine.scheduler.config.max_num_seqs,
                    "num_gpu_blocks": engine.scheduler.cache_config.num_gpu_blocks},
+        "loadavg_1m": [load_before[0], os.getloadavg()[0]],   # before / after: how shared the machine was
         "quick": quick, "repeats": repeats, "grid": [[k, p] for k, p in work],
         "overhead_mean_s": overhead_breakdown(samples)}
     model["samples"] = samples
@@ -171,6 +174,8 @@ def format_report(model: dict) -> str:
     for phase, e in model.get("repeat_noise", {}).items():
         lines.append(f"  {phase:8s} mean {e['mean'] * 100:.2f}%  median {e['median'] * 100:.2f}%  "
                      f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
+    lo, hi = model["profile"]["loadavg_1m"]
+    lines.append(f"machine load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {os.cpu_count()} CPUs")
     o = model["profile"]["overhead_mean_s"]
     lines.append("mean per step (ms): " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in o.items()))
     return "\n".join(lines)

@@ -9,6 +9,9 @@ same code runs in the engine's process, in a worker process, or in a Ray actor.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
+import sys
 import time
 from itertools import accumulate
 
@@ -88,6 +91,17 @@ class LengthBucketedTorchBackend(TorchAttentionBackend):
         if prefills:
             self._per_sequence(q, k, v, k_cache, v_cache, md, scale, prefills, out)
         return out
+
+
+def release_freed_host_memory() -> None:
+    """Hand memory that was freed back to the OS. glibc keeps freed heap chunks (such as
+    per-layer KV tensors below its mmap threshold) for reuse; malloc_trim returns them,
+    so a sleeping engine's memory is really available to the next tenant."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):       # not glibc (e.g. musl): nothing to trim
+            pass
 
 
 class Worker:
@@ -289,8 +303,11 @@ class Worker:
                 released += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.runner.reset_states()
+        gc.collect()                     # tensors caught in reference cycles go now, not later
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            release_freed_host_memory()
         self.sleep_level = level
         return released
 

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         print("realexec.kernels.bench: CUDA is not available on this machine; nothing to benchmark "
-              "(the kernels are tested on CPU under TRITON_INTERPRET=1 by tests/test_kernels.py).")
+              "(the kernels are tested on CPU under TRITON_INTERPRET=1 by tests/realexec/test_kernels.py).")
         return 0
 
     device = torch.device("cuda")

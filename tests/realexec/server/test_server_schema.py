@@ -11,7 +11,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.test_server import tiny_dir, tiny_engine  # noqa: F401
+from tests.realexec.server.test_server import tiny_dir, tiny_engine  # noqa: F401
 
 schemathesis = pytest.importorskip("schemathesis")
 

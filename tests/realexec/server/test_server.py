@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from realexec.config import EngineArgs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = "tiny-llama"
 
 

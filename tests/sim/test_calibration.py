@@ -19,7 +19,7 @@ from sim.fitted_cost import FittedCostModel
 from sim.specs import get_hardware, get_model
 from traces.model import Trace, TraceRequest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 
@@ -188,6 +188,11 @@ def test_profile_fit_simulate_end_to_end(tiny_profile, tmp_path):
         assert s["forward_s"] + s["prepare_s"] <= s["execute_s"] + 1e-4
     assert set(model["held_out_step"]) == {"prefill", "decode"}
     assert model["profile"]["overhead_mean_s"]["scheduler_s"] > 0
+    # the fitted parts add up to the measured step (loose: a shared CI box is noisy)
+    ev = StepCostEvaluator(model)
+    errs = sorted(abs(ev.step_time(s["seqs"], s["tokens"], s["context"], s["pairs"]) - s["step_s"]) / s["step_s"]
+                  for s in samples)
+    assert errs[len(errs) // 2] < 0.6
 
     run = subprocess.run([PY, "-m", "sim", "run", "traces/sharegpt.json", "--num-requests", "8", "--rate", "4",
                           "--model", "SmolLM2-135M", "--hardware", "cpu-2core", "--cost-model", str(prof),
@@ -312,3 +317,16 @@ def test_repeat_noise_is_zero_for_exact_repeats_and_grows_with_their_spread():
     slower = [dict(s, execute_s=2 * s["execute_s"], overhead_s=2 * s["overhead_s"]) for s in base]
     spread = repeat_noise(base + slower)        # each shape seen at t and 2t: errors 1 and 1/2
     assert all(e["mean"] == pytest.approx(0.75) for e in spread.values())
+
+
+def test_layering_sim_side_imports_no_realexec_and_the_shared_math_no_numpy():
+    code = ("import sys, sim.replay, sim.validate, sim.fitted_cost, sim.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('realexec', 'torch')]; "
+            "sys.exit(f'imported {bad[:3]}' if bad else 0)")
+    r = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    code = ("import sys, core.cost_fit, core.step_log; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch', 'simpy', 'sim', 'realexec')]; "
+            "sys.exit(f'imported {bad[:3]}' if bad else 0)")
+    r = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

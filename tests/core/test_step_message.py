@@ -16,9 +16,9 @@ from policies import PolicySet
 from realexec.model_runner import ModelRunner
 from realexec.serialization import (decode_step, decode_step_map, decode_step_pickle, encode_step, encode_step_map,
                                     encode_step_pickle)
-from tests.toy_executor import VOCAB, ToyExecutor
+from tests.core.toy_executor import VOCAB, ToyExecutor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BS = 4
 
 
@@ -118,7 +118,9 @@ def test_message_size_is_o_changes_not_o_context():
     short, long = decode_bytes(13), decode_bytes(301)
     assert long[0] - short[0] >= 8 * (301 - 13)         # the prefill step carries the prompts once
     assert all(abs(a - b) <= 8 * 3 for a, b in zip(short[2:], long[2:]))   # decode: a few bytes per int
-    assert short[2] < 8 * 16                            # a few bytes per sequence (positional encoding)
+    # A few ints per sequence, each at most 5 bytes in MessagePack: the ids come from a
+    # process-wide counter, so later in a long test session they take more bytes.
+    assert short[2] < 8 * 24
 
 
 # Modules that run inside workers (in-process, worker processes, Ray actors).

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from policies import PolicySet
-from tests.toy_executor import VOCAB, ToyExecutor, reference_outputs
+from tests.core.toy_executor import VOCAB, ToyExecutor, reference_outputs
 
 BS = 4
 MAX_MODEL_LEN = 32

@@ -9,7 +9,7 @@ from core import CacheConfig, EngineCore, Request, SamplingParams, Scheduler, Sc
 from core.contiguous import ContiguousBlockPool
 from core.event_skipping import memory_breakdown
 from policies import PolicySet
-from tests.toy_executor import ToyExecutor
+from tests.core.toy_executor import ToyExecutor
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=40))

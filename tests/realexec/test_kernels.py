@@ -2,7 +2,7 @@
 
 Runs the kernels under the Triton CPU interpreter (TRITON_INTERPRET=1, set below before
 anything imports triton) on tiny shapes, fp32 and fp16 (bf16 is broken in the interpreter).
-On a GPU box, `TWINSERVE_TRITON_GPU_TESTS=1 pytest tests/test_kernels.py` runs the same
+On a GPU box, `TWINSERVE_TRITON_GPU_TESTS=1 pytest tests/realexec/test_kernels.py` runs the same
 cases compiled on CUDA, bf16 included.
 
 Every case poisons what must not be read or written: caches start as NaN everywhere

@@ -22,7 +22,7 @@ from realexec import LLM
 from realexec.bench_throughput import model_dir
 from realexec.engine import LLMEngine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -96,7 +96,7 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos: bool = False) -> 
 def test_length_bucketed_backend_matches_reference(with_prefill):
     from realexec.attention.torch_backend import TorchAttentionBackend
     from realexec.worker import LengthBucketedTorchBackend
-    from tests.test_model import make_metadata
+    from tests.realexec.test_model import make_metadata
 
     gen = torch.Generator().manual_seed(3)
     bs, kv_heads, heads, dim, num_blocks = 4, 2, 6, 8, 128

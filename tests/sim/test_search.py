@@ -17,7 +17,7 @@ from sim.parallel import run_points
 from sim.search import SearchPoint, SearchSpec, enumerate_points, evaluate, pareto, probe, ranked, search
 from traces import Trace, TraceRequest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAREGPT = ROOT / "traces" / "sharegpt.json"
 BASE = SimConfig(model="Llama-3-8B", hardware="H100")
 

@@ -325,3 +325,26 @@ def test_prefix_hits_need_the_same_context_and_salt():
     assert kv.find_cached_prefix(other_context) == []
     assert kv.find_cached_prefix(other_salt) == []
     assert kv.find_cached_prefix(same) == kv.tables[first.seq_id][:2]
+
+
+def test_admission_revives_a_shared_cached_prefix_once():
+    """Regression (found by the scheduler machine once it drew a watermark): a recomputed
+    n = 2 request whose samples hit the same cached blocks was charged for reviving them
+    twice, could never pass the admission check, and waited forever."""
+    kv = KVCacheManager(BS, 7, 0, enable_prefix_caching=True, evictor=LRUEvictor(), watermark=0.15)
+    assert kv.watermark_blocks == 1
+    first = Request("a", list(range(17)), SamplingParams()).seqs[0]
+    assert kv.allocate_slots(first, 17)
+    kv.free(first)                                   # 4 full blocks stay cached, refcount 0
+    samples = [Request(f"s{i}", list(range(17)), SamplingParams()).seqs[0] for i in range(2)]
+    plan = []
+    for seq in samples:
+        cached = kv.find_cached_prefix(seq)
+        assert len(cached) == 4
+        seq.num_computed_tokens = 16
+        plan.append((seq, 1, cached))
+    # 4 revived + 1 new block each = 6 of 7, leaving the 1-block watermark.
+    assert kv.can_admit(plan)
+    for seq, n, cached in plan:
+        assert kv.allocate_slots(seq, n, cached)
+    assert kv.stats().num_free_gpu_blocks == 1

@@ -22,7 +22,7 @@ from traces.build import build_sharegpt
 from traces.cli import main as cli_main
 from traces.sharegpt import JsonArrayReader
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "traces"   # the committed real traces (traces/README.md)
 SHAREGPT_JSON = TRACES / "sharegpt.json"
 needs_tokenizer = pytest.mark.skipif(

@@ -16,7 +16,7 @@ from core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfi
 from core.event_skipping import fast_forward, steady_decode_horizon
 from core.metrics import RequestRecord
 from policies import REGISTRY, PolicySet
-from tests.toy_executor import ToyExecutor, next_token
+from tests.core.toy_executor import ToyExecutor, next_token
 
 # Prompts use token ids >= 50 (the toy executor generates ids < 50), so a decode never
 # publishes a block a waiting prompt could hit: the simulator's guarantee too (see

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from realexec.server.config import ServerConfig
-from tests.test_server import IGNORE_EOS, ROOT, TINY, _error, metrics, serve, tiny_dir, tiny_engine, wait_for  # noqa: F401
+from tests.realexec.server.test_server import IGNORE_EOS, ROOT, TINY, _error, metrics, serve, tiny_dir, tiny_engine, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

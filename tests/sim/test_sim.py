@@ -21,7 +21,7 @@ from sim.results import REQUEST_COLUMNS
 from sim.specs import get_hardware, get_model
 from traces import load_trace, retime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAREGPT = ROOT / "traces" / "sharegpt.json"
 MOONCAKE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 PY = sys.executable

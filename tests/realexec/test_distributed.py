@@ -261,7 +261,7 @@ def test_mp_killed_worker_server_503_and_unhealthy(tiny):
 
     from realexec.engine import LLMEngine
     from realexec.server.app import create_app
-    from tests.test_server import serve
+    from tests.realexec.server.test_server import serve
 
     engine = LLMEngine(model=tiny, tensor_parallel_size=2, distributed_executor_backend="mp", block_size=4,
                        num_gpu_blocks=64)
@@ -293,7 +293,7 @@ def test_server_sleep_endpoints(tiny):
 
     from realexec.engine import LLMEngine
     from realexec.server.app import create_app
-    from tests.test_server import serve
+    from tests.realexec.server.test_server import serve
 
     body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     plain = create_app(LLMEngine(model=tiny, block_size=4, num_gpu_blocks=64), served_model_name="m")

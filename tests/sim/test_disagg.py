@@ -14,7 +14,7 @@ from sim.disagg import LINKS, DisaggConfig, DisaggFleet, parse_split
 from sim.fleet import fleet_summary
 from traces import Trace, TraceRequest, load_trace, retime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = SimConfig(model="Llama-3-8B", hardware="H100", num_gpu_blocks=300, max_num_seqs=16)
 
 

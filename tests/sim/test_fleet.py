@@ -16,7 +16,7 @@ from sim import SimConfig, resolve, simulate
 from sim.fleet import FleetConfig, fleet_summary, simulate_fleet
 from traces import Trace, TraceRequest, load_trace, retime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAREGPT = ROOT / "traces" / "sharegpt.json"
 SMALL = SimConfig(model="Llama-3-8B", hardware="H100", num_gpu_blocks=400, max_num_seqs=16)
 
