@@ -1,7 +1,8 @@
 """Event skipping for the simulator: run k steady decode steps of a scheduler at once.
 
 In a steady decode span every running sequence computes exactly one token per step,
-and nothing is admitted, swapped, preempted, copied or finished. The simulator asks
+and nothing is admitted, swapped, preempted or copied; only its last step may finish
+sequences at their length limit. The simulator asks
 `steady_decode_horizon` how long the span lasts, prices its steps, and applies them
 with `fast_forward`, which allocates (and publishes to the prefix cache) exactly as
 that many `schedule()` + `update()` calls would, so both modes give identical results
