@@ -429,12 +429,15 @@ class SimEngine:
         """Fast-forward through steady decode steps that start before the next event; a
         span may end with requests finishing (nothing waits), and then the next one starts
         without a normal step in between."""
-        while (yield from self._span()) and self.scheduler.requests:
+        start = self.clock
+        while self._span() and self.scheduler.requests:
             pass
+        if self.clock > start:         # one SimPy wait for the chain (nothing else runs before the next event)
+            yield self.env.timeout(max(0.0, self.clock - self.env.now))
 
-    def _span(self):
-        """One span of steady decode steps; True when it ran to its horizon and finished
-        requests there (a next span may follow at once)."""
+    def _span(self) -> bool:
+        """Apply one span of steady decode steps (the clock moves to its end); True when it
+        ran to its horizon and finished requests there (a next span may follow at once)."""
         sched = self.scheduler
         horizon = steady_decode_horizon(sched, through_finishes=True)
         if horizon <= 0:
@@ -516,7 +519,6 @@ class SimEngine:
         if CHECK_SPANS and not finished and memory_sample(sched) != span_at(k - 1, used):
             raise RuntimeError(f"event skipping: memory breakdown {memory_sample(sched)} after {k} steps, "
                                f"expected {span_at(k - 1, used)}")   # the state now = the span's last step
-        yield self.env.timeout(max(0.0, t - self.env.now))
         self.clock = t
         self.num_steps += k
         self._finish(finished)
