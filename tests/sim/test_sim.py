@@ -114,6 +114,17 @@ def test_event_skipping_equivalence_swap_and_fork(sharegpt):
     assert_equivalent(skip, step)
 
 
+def test_event_skipping_equivalence_samples_finishing_apart(sharegpt):
+    """n=2 under recompute preemption: a request's samples can reach max_tokens at
+    different steps, so a span may end with one sample finishing and its sibling running
+    on (spans run through finishes; the KV self-check must allow the freed blocks)."""
+    trace = retime(sharegpt, num_requests=300, rate=20.0)
+    config = SimConfig(num_gpu_blocks=600, preemption="recompute", n=2, max_num_seqs=64)
+    skip, step = both_modes(config, trace)
+    assert step.num_preemptions > 0
+    assert_equivalent(skip, step)
+
+
 def test_event_skipping_equivalence_mooncake_prefix_sharing():
     """Shared-prefix Mooncake slice with prefix caching and a pool small enough to evict."""
     trace = retime(load_trace(MOONCAKE, limit=120), time_scale=0.5)
