@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from core.outputs import StepResult
 from core.request import Request, Sequence
-from core.stop import LENGTH, stop_status
+from core.stop import stop_status
 
 if TYPE_CHECKING:
     from core.scheduler import Scheduler
@@ -132,17 +132,7 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
     updated = list(sched.running)
     if not done:
         return StepResult(updated=updated, finished=[])
-    for seq in done:
-        sched._finish_seq(seq, LENGTH)
-    for request in updated:
-        if not request.seqs and not request.is_finished:
-            sched._finish_request(request, request.finished_seqs[-1].status)
-    sched._prune_running()
-    finished, sched._finished = sched._finished, []
-    for request in finished:
-        if request.metrics.finished_time is None:
-            request.metrics.finished_time = last
-    return StepResult(updated=updated, finished=finished)
+    return StepResult(updated=updated, finished=sched.finish_at_length(done, updated, last))
 
 
 def memory_breakdown(sched: "Scheduler") -> dict[str, int]:

@@ -480,13 +480,27 @@ class Scheduler:
             m.last_token_time = now
             if not request.seqs and not request.is_finished:
                 self._finish_request(request, request.finished_seqs[-1].status)
+        return StepResult(updated=updated, finished=self._end_step(now))
+
+    def finish_at_length(self, seqs: list[Sequence], updated: list[Request], now: float) -> list[Request]:
+        """The end of a skipped decode span (core.event_skipping) whose last step brought
+        `seqs` to their length limit: finish them as `update()` would, then every request of
+        `updated` left without a live sequence; returns the requests that left."""
+        for seq in seqs:
+            self._finish_seq(seq, RequestStatus.FINISHED_LENGTH)
+        for request in updated:
+            if not request.seqs and not request.is_finished:
+                self._finish_request(request, request.finished_seqs[-1].status)
+        return self._end_step(now)
+
+    def _end_step(self, now: float) -> list[Request]:
+        """Requests that left the engine during this step, stamped `now`."""
         self._prune_running()
-        finished = self._finished
+        finished, self._finished = self._finished, []
         for request in finished:
             if request.metrics.finished_time is None:
                 request.metrics.finished_time = now
-        self._finished = []
-        return StepResult(updated=updated, finished=finished)
+        return finished
 
     def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None) -> None:
         """Append one sampled token and finish the sequence if a stop condition holds."""
