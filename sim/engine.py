@@ -51,7 +51,7 @@ from sim.config import SimConfig
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from sim.fitted_cost import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
-from sim.memory import MemoryAccumulator, SpanModel, sample as memory_sample
+from sim.memory import MemoryAccumulator, SpanModel, block_growth_steps, sample as memory_sample
 from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
 from traces import HashedBlockTokens, Trace
 
@@ -457,16 +457,7 @@ class SimEngine:
         # a new block at steps j0 = b * block_size - c, j0 + block_size, ... (paged: j0 < block
         # size; a contiguous region covers the sequence's whole life, so j0 lies past the span).
         bs = self.resolved.cache.block_size
-        starts = [0] * bs
-        late: dict[int, int] = {}
-        tables = sched.kv.tables
-        for request in sched.running:
-            for seq in request.seqs:
-                j0 = len(tables[seq.seq_id]) * bs - seq.num_computed_tokens
-                if j0 < bs:
-                    starts[j0] += 1
-                else:
-                    late[j0] = late.get(j0, 0) + 1
+        starts, late = block_growth_steps(sched, bs)
         gpu = sched.kv.gpu
         used = gpu.num_used
         span_model = SpanModel(sched, num_seqs)

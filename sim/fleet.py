@@ -38,7 +38,7 @@ from core.event_skipping import fast_forward, steady_decode_horizon, steady_deco
 from core.metrics import summarize
 from policies import make as make_policy
 from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
-from sim.memory import SpanModel, sample as memory_sample
+from sim.memory import SpanModel, block_growth_steps, sample as memory_sample
 from traces import Trace
 
 
@@ -81,15 +81,7 @@ class Span:
         # A sequence with c cached tokens and a table of b blocks takes a new block at steps
         # j0 = b * block_size - c, j0 + block_size, ... (as sim.engine's span accounting).
         bs = self._bs = replica.resolved.cache.block_size
-        starts, late, tables = [0] * bs, {}, sched.kv.tables
-        for request in sched.running:
-            for seq in request.seqs:
-                j0 = len(tables[seq.seq_id]) * bs - seq.num_computed_tokens
-                if j0 < bs:
-                    starts[j0] += 1
-                else:
-                    late[j0] = late.get(j0, 0) + 1
-        self._starts, self._late = starts, late
+        self._starts, self._late = block_growth_steps(sched, bs)
         self._used = sched.kv.gpu.num_used
         self.durations: list[float] = []
         self.ends: list[float] = []
