@@ -10,20 +10,17 @@ import torch
 from realexec.attention import AttentionMetadata
 from realexec.cuda_graph import DecodeGraphRunner, decode_buckets
 from realexec.loader import load_model
+from tests.tiny_models import save_tiny_llama
 
 BS = 4
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    save_tiny_llama(path, vocab_size=128)
     model, config, _ = load_model(str(path), dtype=torch.float32, device="cpu")
     yield model, config
     torch.set_num_threads(before)

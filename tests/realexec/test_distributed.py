@@ -14,11 +14,11 @@ import signal
 import time
 
 import pytest
-import torch
 
 from core import SamplingParams
 from realexec import LLM
 from realexec.executor import WorkerError
+from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,15 +33,9 @@ TIGHT = dict(block_size=4, num_gpu_blocks=34, swap_space=0.002, max_num_batched_
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.15, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp("tiny-gqa-llama")
-    hf.save_pretrained(path, safe_serialization=True)
+    save_tiny_llama(path, vocab_size=255, initializer_range=0.15, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2)
     return str(path)
 
 

@@ -21,6 +21,7 @@ from core import InvalidRequestError, SamplingParams
 from realexec import LLM
 from realexec.bench_throughput import model_dir
 from realexec.engine import LLMEngine
+from tests.tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -34,15 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(checkpoint dir, HF model) of a tiny random Llama."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.15, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(path, safe_serialization=True)
+    hf = save_tiny_llama(path, vocab_size=256, initializer_range=0.15, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
     return str(path), hf
 
 

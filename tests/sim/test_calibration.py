@@ -18,6 +18,7 @@ from sim.engine import simulate
 from sim.fitted_cost import FittedCostModel
 from sim.specs import get_hardware, get_model
 from traces.model import Trace, TraceRequest
+from tests.tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -148,19 +149,13 @@ def test_the_simulator_charges_the_fitted_step_times(tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     """A tiny random Llama with SmolLM2's tokenizer (so the server can take text prompts)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from realexec.bench_throughput import model_dir
 
-    tok = AutoTokenizer.from_pretrained(model_dir(None))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
+    save_tiny_llama(path, tokenizer=AutoTokenizer.from_pretrained(model_dir(None)), max_position_embeddings=1024,
+                    tie_word_embeddings=True)
     return str(path)
 
 

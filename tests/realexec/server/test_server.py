@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from realexec.config import EngineArgs
+from tests.tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = "tiny-llama"
@@ -59,19 +59,13 @@ def serve(app):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     """A tiny random Llama with SmolLM2's tokenizer (vocab 49152, chat template)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from realexec.bench_throughput import model_dir
 
-    tok = AutoTokenizer.from_pretrained(model_dir(None))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         initializer_range=0.15, tie_word_embeddings=True,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     path = tmp_path_factory.mktemp("models") / TINY
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
+    save_tiny_llama(path, tokenizer=AutoTokenizer.from_pretrained(model_dir(None)), max_position_embeddings=4096,
+                    initializer_range=0.15, tie_word_embeddings=True)
     return str(path)
 
 
