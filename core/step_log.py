@@ -65,3 +65,22 @@ def read_log(path: str) -> Iterator[dict]:
             if not isinstance(rec, dict) or "kind" not in rec:
                 raise ValueError(f"{path}:{lineno}: a step-log record is an object with a 'kind'")
             yield rec
+
+
+def load_log(path: str) -> tuple[dict, list[dict], list[dict], dict[str, dict]]:
+    """(config, arrivals, steps, finishes by request id) of a step log; ValueError when it
+    has no config record of this format."""
+    config, arrivals, steps, finishes = None, [], [], {}
+    for rec in read_log(path):
+        kind = rec["kind"]
+        if kind == "config":
+            config = rec
+        elif kind == "arrival":
+            arrivals.append(rec)
+        elif kind == "step":
+            steps.append(rec)
+        elif kind == "finish":
+            finishes[rec["req_id"]] = rec
+    if config is None or config.get("format") != LOG_FORMAT:
+        raise ValueError(f"{path}: not a {LOG_FORMAT} file (no config record)")
+    return config, arrivals, steps, finishes

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from core import CacheConfig, EngineCore, Request, SamplingParams, Scheduler, SchedulerConfig
 from core.cost_fit import phase_of, shape_of, summarize_errors
-from core.step_log import LOG_FORMAT, read_log, step_decision
+from core.step_log import load_log, step_decision
 from policies import PolicySet
 from sim.cost_model import RooflineCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
@@ -56,19 +56,8 @@ class _Tap:
 
 
 def _parse(path: str) -> tuple[dict, list[dict], list[dict], dict[str, dict]]:
-    config, arrivals, steps, finishes = None, [], [], {}
-    for rec in read_log(path):
-        kind = rec["kind"]
-        if kind == "config":
-            config = rec
-        elif kind == "arrival":
-            arrivals.append(rec)
-        elif kind == "step":
-            steps.append(rec)
-        elif kind == "finish":
-            finishes[rec["req_id"]] = rec
-    if config is None or config.get("format") != LOG_FORMAT:
-        raise ValueError(f"{path}: not a {LOG_FORMAT} file (no config record)")
+    """The log's records, checked to be what replay covers."""
+    config, arrivals, steps, finishes = load_log(path)
     for a in arrivals:
         rid = a["req_id"]
         if a.get("n", 1) != 1 or a.get("beam_width", 0):

@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from core.metrics import percentile
-from core.step_log import read_log
+from core.step_log import load_log, read_log
 from sim.config import SimConfig, positive_float, positive_int
 from traces.model import Trace, TraceRequest
 
@@ -127,19 +127,9 @@ def _stats(series: dict[str, list[float]], throughput: float) -> dict[str, float
 # -- the step log as a workload and as engine-side measurements --------------------------------
 def workload_from_log(path: Path) -> tuple[dict, Trace, dict]:
     """(config record, trace of the logged requests, engine-side per-request timings)."""
-    config, arrivals, finishes, steps = None, [], {}, []
-    for rec in read_log(str(path)):
-        kind = rec["kind"]
-        if kind == "config":
-            config = rec
-        elif kind == "arrival":
-            arrivals.append(rec)
-        elif kind == "finish":
-            finishes[rec["req_id"]] = rec
-        elif kind == "step":
-            steps.append(rec)
-    if config is None or not arrivals:
-        raise ValueError(f"{path}: no config or no requests in the step log")
+    config, arrivals, steps, finishes = load_log(str(path))
+    if not arrivals:
+        raise ValueError(f"{path}: no requests in the step log")
     arrivals.sort(key=lambda a: a["t"])
     t0 = arrivals[0]["t"]
     reqs = [TraceRequest(a["req_id"], round(a["t"] - t0, 6), len(a["prompt_token_ids"]),
