@@ -238,6 +238,18 @@ def repeat_noise(samples: Sequence[dict]) -> dict:
     return {phase: summarize_errors(e) for phase, e in errs.items() if e}
 
 
+def scaled_model(model: dict, factor: float) -> dict:
+    """A copy of `model` whose every step takes `factor` times as long (e.g. a machine where
+    the engine gets 1/factor of a core); the raw samples are left out."""
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"a cost model's time scale must be finite and > 0, got {factor}")
+    out = {k: v for k, v in model.items() if k not in ("parts", "samples")}
+    out["parts"] = {part: {phase: dict(entry, coef=[c * factor for c in entry["coef"]])
+                           for phase, entry in phases.items()} for part, phases in model["parts"].items()}
+    out["profile"] = dict(model.get("profile", {}), time_scale=factor * model.get("profile", {}).get("time_scale", 1.0))
+    return out
+
+
 def check_model(model: dict, where: str = "cost model") -> None:
     """Raise ValueError naming what is wrong when `model` is not a usable step-cost model."""
     if not isinstance(model, dict) or model.get("format") != FORMAT:

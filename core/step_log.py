@@ -5,10 +5,14 @@ real run's log can be replayed through the simulator's copy of the core and comp
 step by step (`python -m sim replay`). Records, one JSON object per line, `kind` first:
 
   {"kind": "config", ...}       the scheduler and cache knobs the engine ran with
-  {"kind": "arrival", "req_id", "step", "t", "prompt_token_ids", "max_tokens", ...}
-                                a request entered the engine before executed step `step`
-  {"kind": "step", "step", "t_start", "t_end", "execute_s", "decision": {...}}
-                                one executed step (empty steps run nothing and are left out)
+  {"kind": "arrival", "req_id", "step", "t", "t_arrival", "prompt_token_ids", "max_tokens", ...}
+                                a request entered the engine (at `t`) before executed step
+                                `step`; it reached the server at `t_arrival` (<= t: a server
+                                hands requests over between steps)
+  {"kind": "step", "step", "t_start", "t_end", "step_s", "execute_s", "cpu_s", "runq_s", ...,
+   "decision": {...}}           one executed step (empty steps run nothing and are left out);
+                                wall seconds, and the stepping thread's CPU and run-queue
+                                seconds (realexec.step_recorder)
   {"kind": "finish", "req_id", "num_output_tokens", "status"}
 
 Times are seconds since the log started (monotonic clock).

@@ -164,8 +164,10 @@ class LLMEngine:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a request; raises InvalidRequestError (a ValueError) if it can never be served."""
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request; raises InvalidRequestError (a ValueError) if it can never be served.
+        `arrival_time` (time.monotonic()) is when the request reached the caller, if earlier
+        than now (a server hands requests to the engine thread between steps)."""
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -199,7 +201,9 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._states:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
-        request = Request(request_id, token_ids, params, arrival_time=time.monotonic(), priority=priority,
+        now = time.monotonic()
+        arrival = now if arrival_time is None else min(arrival_time, now)
+        request = Request(request_id, token_ids, params, arrival_time=arrival, priority=priority,
                           eos_token_id=self.eos_token_id, cache_salt=params.cache_salt, prompt=text)
         self.core.add_request(request)
         if request.status is RequestStatus.FINISHED_REJECTED:

@@ -11,7 +11,11 @@ Each workload runs after a warm-up pass and is repeated; every step of every run
 sample (also the earlier chunks and the prefill steps of decode workloads). Per step it
 records the whole step's wall time and where it went: the executor (`execute_s`: input
 preparation, forward, sampling, RPC to the workers) and the rest (`overhead_s`:
-scheduling, update, detokenization). `core.cost_fit` fits each part per phase, choosing
+scheduling, update, detokenization), in wall seconds and in CPU seconds of the stepping
+thread. On CPU the fit uses the CPU seconds (`--time-basis`): a step's wall time on a
+shared machine also holds the time its thread waited for a core (`runq_s`, 30-40% at a
+load average of 3 on 2 cores), which changes with the neighbours, not with the batch.
+`core.cost_fit` fits each part per phase, choosing
 the feature family by k-fold held-out error, and the file holds the raw samples and the
 fitted model (plain JSON; `python -m sim run --cost-model FILE` reads it).
 """
@@ -29,6 +33,7 @@ from core.cost_fit import PHASES, fit_step_cost, phase_of, shape_of
 from realexec.config import add_engine_args, engine_args_from_namespace
 
 FULL_CHUNK, QUICK_CHUNK = 256, 32
+TIME_BASES = ("auto", "cpu", "wall")
 
 
 def add_arguments(parser) -> None:
@@ -36,6 +41,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (CI, tiny models): seconds, not minutes")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each grid workload [3]")
     parser.add_argument("--folds", type=int, default=5, help="cross-validation folds for the held-out error [5]")
+    parser.add_argument("--time-basis", choices=TIME_BASES, default="auto",
+                        help="fit the stepping thread's CPU seconds (cpu: steady on a shared machine; needs the "
+                             "uni executor on CPU with one torch thread) or wall seconds; auto picks cpu where "
+                             "it applies [auto]")
     add_engine_args(parser)
 
 
@@ -100,30 +109,66 @@ class _Runner:
         self.drain()
 
 
-def sample_of(rec: dict) -> dict:
-    """A fit sample from a step record: the batch's sums and where the time went."""
+def time_basis_for(engine, requested: str = "auto") -> str:
+    """'cpu' fits the stepping thread's CPU seconds (what the step costs on a core of its
+    own: steady on a shared machine, where wall time also holds the waits for a core);
+    only meaningful when that thread does all the work: the in-process (uni) executor on
+    CPU with one torch thread. 'wall' fits wall seconds (GPUs, worker processes, Ray)."""
+    if requested not in TIME_BASES:
+        raise ValueError(f"--time-basis must be one of {TIME_BASES}, got {requested!r}")
+    executor = engine.executor
+    own_thread = (executor.backend == "uni" and executor.driver.device.type == "cpu"
+                  and engine.args.cpu_threads == 1)
+    if requested == "auto":
+        return "cpu" if own_thread else "wall"
+    if requested == "cpu" and not own_thread:
+        raise ValueError("--time-basis cpu needs the uni executor on CPU with --cpu-threads 1 "
+                         "(elsewhere the step's work is not on the stepping thread)")
+    return requested
+
+
+def sample_of(rec: dict, basis: str = "wall") -> dict:
+    """A fit sample from a step record: the batch's sums and where the time went.
+    `execute_s` / `overhead_s` (the fitted parts) are in the chosen basis; the wall and
+    CPU seconds are kept as measured."""
     batch = rec["decision"]["batch"]
     seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
-    step_s, execute_s = rec["step_s"], rec["execute_s"]
+    step_s, wall_execute_s = rec["step_s"], rec["execute_s"]
+    if basis == "cpu":
+        execute_s, overhead_s = rec["execute_cpu_s"], rec["cpu_s"] - rec["execute_cpu_s"]
+    else:
+        execute_s, overhead_s = wall_execute_s, step_s - wall_execute_s
     out = {"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
-           "step_s": step_s, "execute_s": execute_s, "overhead_s": max(step_s - execute_s, 1e-9),
-           "detokenize_s": rec["detokenize_s"], "scheduler_s": step_s - execute_s - rec["detokenize_s"]}
-    for k in ("prepare_s", "forward_s", "worker_execute_s"):
+           "execute_s": max(execute_s, 1e-9), "overhead_s": max(overhead_s, 1e-9),
+           "step_s": step_s, "wall_execute_s": wall_execute_s, "detokenize_s": rec["detokenize_s"],
+           "scheduler_s": step_s - wall_execute_s - rec["detokenize_s"]}
+    for k in ("prepare_s", "forward_s", "worker_execute_s", "cpu_s", "execute_cpu_s", "runq_s"):
         if k in rec:
             out[k] = rec[k]
     if "worker_execute_s" in rec:
-        out["rpc_s"] = execute_s - rec["worker_execute_s"]
+        out["rpc_s"] = wall_execute_s - rec["worker_execute_s"]
     return out
 
 
 def overhead_breakdown(samples: list[dict]) -> dict[str, float]:
-    """Mean seconds per step of each component, over all samples."""
-    keys = ("step_s", "execute_s", "forward_s", "prepare_s", "rpc_s", "scheduler_s", "detokenize_s")
+    """Mean wall seconds per step of each component, over all samples."""
+    keys = ("step_s", "wall_execute_s", "forward_s", "prepare_s", "rpc_s", "scheduler_s", "detokenize_s")
     return {k: sum(s.get(k, 0.0) for s in samples) / len(samples) for k in keys}
 
 
-def profile(engine, *, quick: bool, repeats: int, folds: int = 5, log=print) -> dict:
+def cpu_share(samples: list[dict]) -> dict[str, float] | None:
+    """Of the stepping thread's wall time over all steps: the share it ran on a core and
+    the share it waited for one (None without schedstat numbers)."""
+    wall = sum(s["step_s"] for s in samples)
+    if not wall or not all("runq_s" in s for s in samples):
+        return None
+    return {"cpu": sum(s["cpu_s"] for s in samples) / wall, "runq": sum(s["runq_s"] for s in samples) / wall}
+
+
+def profile(engine, *, quick: bool, repeats: int, folds: int = 5, time_basis: str = "auto", log=print) -> dict:
     from realexec.step_recorder import StepRecorder
+
+    basis = time_basis_for(engine, time_basis)
 
     chunk = engine.scheduler.config.max_num_batched_tokens
     work = grid(chunk, quick)
@@ -139,7 +184,7 @@ def profile(engine, *, quick: bool, repeats: int, folds: int = 5, log=print) -> 
                 runner.run(kind, p)
             log(f"  repeat {r + 1}/{repeats}: {len(rec.steps)} steps, {time.perf_counter() - t0:.1f}s")
         steps = rec.steps
-    samples = [sample_of(s) for s in steps]
+    samples = [sample_of(s, basis) for s in steps]
     model = fit_step_cost(samples, k=folds)
     model["profile"] = {
         "model": engine.args.model or "SmolLM2-135M-Instruct", "device": str(engine.args.device),
@@ -150,13 +195,17 @@ def profile(engine, *, quick: bool, repeats: int, folds: int = 5, log=print) -> 
                    "num_gpu_blocks": engine.scheduler.cache_config.num_gpu_blocks},
         "loadavg_1m": [load_before[0], os.getloadavg()[0]],   # before / after: how shared the machine was
         "quick": quick, "repeats": repeats, "grid": [[k, p] for k, p in work],
-        "overhead_mean_s": overhead_breakdown(samples)}
+        "time_basis": basis, "cpu_share": cpu_share(samples), "overhead_mean_s": overhead_breakdown(samples)}
     model["samples"] = samples
     return model
 
 
 def format_report(model: dict) -> str:
-    lines = ["held-out relative error per family (mean / p90), k-fold over the samples:"]
+    basis = model["profile"].get("time_basis", "wall")
+    lines = [f"time basis: {basis} ("
+             + ("CPU seconds of the stepping thread: a step's cost on a core of its own" if basis == "cpu"
+                else "wall seconds") + ")",
+             "held-out relative error per family (mean / p90), k-fold over the samples:"]
     for part, phases in model["parts"].items():
         for phase in PHASES:
             entry = phases.get(phase)
@@ -176,6 +225,10 @@ def format_report(model: dict) -> str:
                      f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
     lo, hi = model["profile"]["loadavg_1m"]
     lines.append(f"machine load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {os.cpu_count()} CPUs")
+    share = model["profile"].get("cpu_share")
+    if share:
+        lines.append(f"the stepping thread ran {share['cpu'] * 100:.0f}% of the steps' wall time and waited "
+                     f"for a core {share['runq'] * 100:.0f}% (other processes on this machine)")
     o = model["profile"]["overhead_mean_s"]
     lines.append("mean per step (ms): " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in o.items()))
     return "\n".join(lines)
@@ -197,7 +250,7 @@ def run(args) -> int:
         print(f"profiling {engine_args.model or 'SmolLM2-135M-Instruct'} "
               f"({'quick' if args.quick else 'full'} grid, {args.repeats} repeats)", file=sys.stderr)
         model = profile(engine, quick=args.quick, repeats=args.repeats, folds=args.folds,
-                        log=lambda m: print(m, file=sys.stderr))
+                        time_basis=args.time_basis, log=lambda m: print(m, file=sys.stderr))
     finally:
         engine.shutdown()
     for phase in PHASES:

@@ -8,14 +8,32 @@ It hooks three calls of one engine instance (restored on close): `core.add_reque
 before the executor builds its step message, and the executor's wall time) and
 `LLMEngine._step` (the whole step's wall time, detokenization included). Records follow
 `core.step_log`; `records` keeps the step records in memory too (`realexec profile`
-reads them). With `worker_timings`, each step also carries the worker's input-preparation
-and forward+sampling seconds (one extra `get_timings` call after the step, not timed).
+reads them). Each step also carries where its wall time went on the stepping thread:
+`cpu_s` (the thread ran; `execute_cpu_s` of it inside the executor) and `runq_s` (it
+was runnable but another process or thread had the core); the rest of `step_s` it was
+blocked (the GIL, locks, I/O, a worker process or actor computing). `runq_s` comes
+from Linux schedstat (absent elsewhere). With
+`worker_timings`, each step also carries the worker's input-preparation and
+forward+sampling seconds (one extra `get_timings` call after the step, not timed).
 """
 from __future__ import annotations
 
 import time
 
 from core.step_log import config_record, step_decision, write_record
+
+
+def thread_schedstat() -> dict[str, float]:
+    """Seconds the calling thread has run (`cpu_s`: its CPU clock, exact to the call) and
+    waited runnable for a core (`runq_s`: Linux schedstat, absent elsewhere) since it
+    started. (schedstat's own run time only advances at ticks and switches.)"""
+    out = {"cpu_s": time.thread_time()}
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            out["runq_s"] = int(f.read().split()[1]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
 
 
 class StepRecorder:
@@ -41,7 +59,8 @@ class StepRecorder:
     def _on_add(self, request):
         params = request.params
         self._emit({"kind": "arrival", "req_id": request.request_id, "step": self._executed,
-                    "t": time.monotonic() - self._t0, "prompt_token_ids": list(request.prompt_token_ids),
+                    "t": time.monotonic() - self._t0, "t_arrival": request.metrics.arrival_time - self._t0,
+                    "prompt_token_ids": list(request.prompt_token_ids),
                     "max_tokens": params.max_tokens, "n": params.n, "beam_width": params.beam_width,
                     "ignore_eos": params.ignore_eos, "priority": request.priority})
         self._open[request.request_id] = request
@@ -49,22 +68,27 @@ class StepRecorder:
 
     def _on_execute(self, out):
         decision = step_decision(out, self.engine.scheduler.kv)
+        cpu0 = time.thread_time()
         t = time.perf_counter()
         result = self._execute(out)
-        self._pending = {"decision": decision, "execute_s": time.perf_counter() - t}
+        self._pending = {"decision": decision, "execute_s": time.perf_counter() - t,
+                         "execute_cpu_s": time.thread_time() - cpu0}
         return result
 
     def _on_step(self):
         detok0 = self.engine.detokenize_time
+        sched0 = thread_schedstat()
         t0 = time.perf_counter()
         start = time.monotonic() - self._t0
         outputs = self._step()
         wall = time.perf_counter() - t0
+        sched1 = thread_schedstat()
         pending, self._pending = self._pending, None
         if pending is not None:
             rec = {"kind": "step", "step": self._executed, "t_start": start, "t_end": start + wall,
-                   "step_s": wall, "execute_s": pending["execute_s"],
+                   "step_s": wall, "execute_s": pending["execute_s"], "execute_cpu_s": pending["execute_cpu_s"],
                    "detokenize_s": self.engine.detokenize_time - detok0, "decision": pending["decision"]}
+            rec.update({k: sched1[k] - sched0[k] for k in sched1})
             if self.worker_timings:
                 now = self._worker_timings()
                 rec.update({k: now[k] - self._timings[k] for k in now})

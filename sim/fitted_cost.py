@@ -31,6 +31,8 @@ class FittedCostModel:
     def __init__(self, model: dict, swap_fallback: CostModel, where: str = "cost model"):
         self.evaluator = StepCostEvaluator(model, where)
         self.profile = model.get("profile", {})
+        # "cpu": step times are the stepping thread's CPU seconds (a core of its own), else wall seconds
+        self.time_basis = self.profile.get("time_basis", "wall")
         self.held_out_step = model.get("held_out_step", {})
         self._swap_fallback = swap_fallback
 

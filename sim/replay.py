@@ -12,7 +12,9 @@ any difference is a bug in how one backend drives the core.
 
 It also prices every replayed step with the simulator's cost model (`--cost-model`, or
 the roofline of --model on --hardware) and reports the error against the logged step
-times: how well the twin's clock matches on exactly the real schedule.
+times (the CPU seconds of the stepping thread when the profile was fitted on them, else
+wall seconds): how well the twin's clock matches on exactly the real schedule. It also
+splits the logged wall time into CPU, waiting for a core and blocked.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ class ReplayReport:
     num_equal_steps: int
     first_divergence: dict | None           # {"step", "real", "sim"} of the first different decision
     step_time_error: dict = field(default_factory=dict)   # per phase: relative error summary
+    time_basis: str = "wall"                 # what the step times were compared with ("cpu": cpu_s)
+    totals: dict = field(default_factory=dict)   # seconds over the steps: logged wall/cpu/runq, predicted
 
     @property
     def equal(self) -> bool:
@@ -94,7 +98,7 @@ def replay(path: str, cost_model=None) -> ReplayReport:
             a = arrivals[ai]
             n_out = finishes[a["req_id"]]["num_output_tokens"]
             params = SamplingParams(max_tokens=max(1, n_out), ignore_eos=True)
-            req = Request(a["req_id"], list(a["prompt_token_ids"]), params, arrival_time=a["t"],
+            req = Request(a["req_id"], list(a["prompt_token_ids"]), params, arrival_time=a.get("t_arrival", a["t"]),
                           priority=a.get("priority", 0), eos_token_id=SIM_EOS_TOKEN_ID)
             core.add_request(req)
             ai += 1
@@ -108,10 +112,13 @@ def replay(path: str, cost_model=None) -> ReplayReport:
         core.step()
         if len(tap.decisions) > limit:
             break
-    return _compare(steps, tap)
+    basis = getattr(cost_model, "time_basis", "wall")
+    if basis == "cpu" and not all("cpu_s" in s for s in steps):
+        basis = "wall"                  # an older log without CPU seconds
+    return _compare(steps, tap, basis)
 
 
-def _compare(steps: list[dict], tap: _Tap) -> ReplayReport:
+def _compare(steps: list[dict], tap: _Tap, basis: str = "wall") -> ReplayReport:
     equal, first = 0, None
     for i, (real, sim) in enumerate(zip(steps, tap.decisions)):
         if real["decision"] == sim:
@@ -122,15 +129,21 @@ def _compare(steps: list[dict], tap: _Tap) -> ReplayReport:
         i = min(len(steps), len(tap.decisions))
         first = {"step": i, "real": steps[i]["decision"] if i < len(steps) else None,
                  "sim": tap.decisions[i] if i < len(tap.decisions) else None}
+    key = "cpu_s" if basis == "cpu" else "step_s"
     errs: dict[str, list[float]] = {"prefill": [], "decode": []}
+    totals = dict.fromkeys(("wall", "cpu", "runq", "predicted"), 0.0)
     for real, t in zip(steps, tap.times):
         batch = real["decision"]["batch"]
-        if not batch or not real.get("step_s"):
+        if not batch or not real.get(key):
             continue
         seqs, tokens, _, _ = shape_of([b[1] for b in batch], [b[2] for b in batch])
-        errs[phase_of(seqs, tokens)].append(abs(t - real["step_s"]) / real["step_s"])
+        errs[phase_of(seqs, tokens)].append(abs(t - real[key]) / real[key])
+        totals["wall"] += real["step_s"]
+        totals["cpu"] += real.get("cpu_s", float("nan"))
+        totals["runq"] += real.get("runq_s", float("nan"))
+        totals["predicted"] += t
     return ReplayReport(len(steps), len(tap.decisions), equal, first,
-                        {phase: summarize_errors(e) for phase, e in errs.items() if e})
+                        {phase: summarize_errors(e) for phase, e in errs.items() if e}, basis, totals)
 
 
 def format_report(report: ReplayReport) -> str:
@@ -146,9 +159,14 @@ def format_report(report: ReplayReport) -> str:
             if real.get(key) != sim.get(key):
                 lines.append(f"  {key}: real {real.get(key)!r}")
                 lines.append(f"  {' ' * len(key)}  sim  {sim.get(key)!r}")
+    what = "CPU seconds" if report.time_basis == "cpu" else "wall seconds"
     for phase, e in report.step_time_error.items():
-        lines.append(f"step time, cost model vs logged, {phase:7s}: median {e['median'] * 100:.1f}%  "
+        lines.append(f"step time, cost model vs logged {what}, {phase:7s}: median {e['median'] * 100:.1f}%  "
                      f"p90 {e['p90'] * 100:.1f}%  mean {e['mean'] * 100:.1f}%  (n={e['n']})")
+    t = report.totals
+    if t.get("wall"):
+        lines.append(f"sum over the steps: logged wall {t['wall']:.2f}s = CPU {t['cpu']:.2f}s + waiting for a core "
+                     f"{t['runq']:.2f}s + blocked {t['wall'] - t['cpu'] - t['runq']:.2f}s; predicted {t['predicted']:.2f}s")
     return "\n".join(lines)
 
 

@@ -6,20 +6,29 @@ Real side (twice, to measure the real engine's own run-to-run noise): a fresh
 serve` (HTTP and streaming in the loop; Poisson arrivals at --rate with --seed). Run in
 subprocesses: the simulator never imports the real engine.
 
-Sim side: the first real run's step log gives each request's arrival time (at the
-engine), prompt token ids and output length, and the engine's scheduler and cache
-configuration; the simulator runs exactly that workload with the fitted cost model.
+Sim side: the first real run's step log gives each request's arrival time (when it
+reached the server: it may wait there for the step in flight), prompt token ids and
+output length, and the engine's scheduler and cache configuration; the simulator runs
+exactly that workload with the fitted cost model.
 
-Report: relative error of the simulator against real run 1 for output throughput and for
-TTFT, TPOT and E2E latency at median and p90 (client-side, from bench serve), the same
-numbers for real run 2 against run 1 (noise), and engine-side latencies from the step
-log (no HTTP). Figure: per-request E2E latency, real (step log) vs simulated, and the
-running batch size over time of both.
+Report: output throughput and TTFT, TPOT and E2E latency at median and p90 (client-side,
+from bench serve) of every real run, their mean, and the simulator's relative error
+against that mean next to the real runs' own spread around it (noise). The step logs
+also say how much of its steps' wall time the engine thread ran on a core (the rest it
+waited for one: on a shared machine the neighbours, the client and the server's other
+threads take it); a profile is fitted in CPU seconds of that thread, so a second
+simulation, "sim (contended)", slows every step by the real runs' measured share: the
+twin's prediction given the CPU the engine actually got (on an idle machine the two
+agree). Also engine-side latencies from the step log (no HTTP) and the CPU seconds the
+server and the client used. Figure: per-request E2E latency, real (step log) vs
+simulated (contended when there is that column), and the running batch size over time.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shlex
 import signal
 import socket
@@ -52,6 +61,9 @@ def add_parser(sub) -> None:
                    help="real runs; runs after the first measure run-to-run noise (default: %(default)s)")
     p.add_argument("--engine-args", default="", metavar="ARGS",
                    help="extra flags for `realexec serve`, e.g. \"--num-gpu-blocks 200 --max-num-seqs 16\"")
+    p.add_argument("--reuse-real", action="store_true",
+                   help="take the real runs already in --out (their step logs and bench results) and only "
+                        "simulate again, e.g. with another --cost-model")
     p.add_argument("--out", default="results/validate", metavar="DIR",
                    help="report.json, validate.png, step logs and bench results (default: %(default)s)")
 
@@ -78,23 +90,47 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> N
     raise RuntimeError(f"the server was not healthy within {timeout:.0f}s")
 
 
-def run_real(args, out: Path, run: int) -> tuple[Path, Path]:
-    """One served + benchmarked run -> (step log, bench result JSON)."""
+def _process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a running process (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_real(args, out: Path, run: int) -> tuple[Path, Path, dict]:
+    """One served + benchmarked run -> (step log, bench result JSON, machine: CPU seconds
+    of the server and of the benchmark client during the benchmark, load averages)."""
     log, result = out / f"real{run}.steps.jsonl", out / f"real{run}.bench.json"
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     py = sys.executable
+    machine: dict = {}
     with open(out / f"real{run}.server.log", "w") as server_out:
         server = subprocess.Popen([py, "-m", "realexec", "serve", "--port", str(port), "--step-log", str(log),
                                    *shlex.split(args.engine_args)], stdout=server_out, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(url, server)
-            bench = subprocess.run([py, "-m", "realexec", "bench", "serve", "--url", url, "--trace", args.trace,
-                                    "--num-requests", str(args.num_requests), "--rate", str(args.rate),
-                                    "--seed", str(args.seed), "--max-tokens-cap", str(args.max_tokens_cap),
-                                    "--save-result", str(result)], capture_output=True, text=True)
+            machine["loadavg_1m_before"] = os.getloadavg()[0]
+            server_cpu0, t0 = _process_cpu_s(server.pid), time.monotonic()
+            children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            bench = subprocess.Popen([py, "-m", "realexec", "bench", "serve", "--url", url, "--trace", args.trace,
+                                      "--num-requests", str(args.num_requests), "--rate", str(args.rate),
+                                      "--seed", str(args.seed), "--max-tokens-cap", str(args.max_tokens_cap),
+                                      "--save-result", str(result)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+            _, stderr = bench.communicate()
+            server_cpu1 = _process_cpu_s(server.pid)
+            children1 = resource.getrusage(resource.RUSAGE_CHILDREN)      # the client, reaped above
+            machine.update(wall_s=time.monotonic() - t0, loadavg_1m_after=os.getloadavg()[0],
+                           client_cpu_s=(children1.ru_utime + children1.ru_stime)
+                           - (children0.ru_utime + children0.ru_stime))
+            if server_cpu0 is not None and server_cpu1 is not None:
+                machine["server_cpu_s"] = server_cpu1 - server_cpu0
             if bench.returncode != 0:
-                raise RuntimeError(f"bench serve failed ({bench.returncode}): {bench.stderr[-2000:]}")
+                raise RuntimeError(f"bench serve failed ({bench.returncode}): {stderr[-2000:]}")
         finally:
             server.send_signal(signal.SIGINT)
             try:
@@ -102,7 +138,7 @@ def run_real(args, out: Path, run: int) -> tuple[Path, Path]:
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
-    return log, result
+    return log, result, machine
 
 
 def client_stats(bench: dict) -> dict[str, float]:
@@ -130,9 +166,13 @@ def workload_from_log(path: Path) -> tuple[dict, Trace, dict]:
     config, arrivals, steps, finishes = load_log(str(path))
     if not arrivals:
         raise ValueError(f"{path}: no requests in the step log")
-    arrivals.sort(key=lambda a: a["t"])
-    t0 = arrivals[0]["t"]
-    reqs = [TraceRequest(a["req_id"], round(a["t"] - t0, 6), len(a["prompt_token_ids"]),
+    # a request arrives when it reached the server (t_arrival); the engine took it at t,
+    # once the step in flight ended, and so does the simulator
+    for a in arrivals:
+        a["t_arrival"] = a.get("t_arrival", a["t"])
+    arrivals.sort(key=lambda a: a["t_arrival"])
+    t0 = arrivals[0]["t_arrival"]
+    reqs = [TraceRequest(a["req_id"], round(a["t_arrival"] - t0, 6), len(a["prompt_token_ids"]),
                          finishes[a["req_id"]]["num_output_tokens"], prompt_token_ids=list(a["prompt_token_ids"]))
             for a in arrivals if a["req_id"] in finishes]
     # engine-side: first token = end of the first step that sampled for it; last = end of its last step
@@ -142,10 +182,20 @@ def workload_from_log(path: Path) -> tuple[dict, Trace, dict]:
             if samples:
                 first.setdefault(rid, s["t_end"])
                 last[rid] = s["t_end"]
-    engine = {"arrival": {a["req_id"]: a["t"] - t0 for a in arrivals},
+    engine = {"arrival": {a["req_id"]: a["t_arrival"] - t0 for a in arrivals},
               "first": {k: v - t0 for k, v in first.items()}, "last": {k: v - t0 for k, v in last.items()},
-              "batch": [(s["t_start"] - t0, len(s["decision"]["batch"])) for s in steps]}
+              "batch": [(s["t_start"] - t0, len(s["decision"]["batch"])) for s in steps],
+              "cpu_share": cpu_share(steps)}
     return config, Trace(reqs, f"step log {path}"), engine
+
+
+def cpu_share(steps: list[dict]) -> float | None:
+    """The share of its steps' wall time the engine's stepping thread ran on a core (the
+    rest it mostly waited for one); None for a log without CPU seconds."""
+    wall = sum(s["step_s"] for s in steps)
+    if not wall or not all("cpu_s" in s for s in steps):
+        return None
+    return sum(s["cpu_s"] for s in steps) / wall
 
 
 def engine_stats(trace: Trace, engine: dict) -> tuple[dict[str, float], dict[str, float]]:
@@ -203,16 +253,31 @@ def rel_errors(got: dict[str, float], ref: dict[str, float]) -> dict[str, float]
     return {k: (got[k] - ref[k]) / ref[k] if ref[k] else float("nan") for k in ref}
 
 
-def format_table(rows: dict[str, dict[str, float]], errors: dict[str, dict[str, float]]) -> str:
+def mean_stats(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+
+
+def run_noise(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per metric, how far the real runs lie from their mean (the largest relative
+    distance): an error of the simulator against that mean below it is within noise."""
+    ref = mean_stats(runs)
+    return {k: max(abs(r[k] - ref[k]) for r in runs) / ref[k] if ref[k] else float("nan") for k in ref}
+
+
+def format_table(rows: dict[str, dict[str, float]], errors: dict[str, dict[str, float]],
+                 noise: dict[str, float] | None = None) -> str:
     keys = ["output_throughput"] + [f"{q}_{m}" for m in METRICS for q in ("median", "p90")]
-    widths = [max(14, len(name) + 2) for name in list(rows) + list(errors)]
-    head = f"{'metric':26s}" + "".join(f"{name:>{w}s}" for name, w in zip(list(rows) + list(errors), widths))
+    names = list(rows) + list(errors) + (["noise (±)"] if noise is not None else [])
+    widths = [max(14, len(name) + 2) for name in names]
+    head = f"{'metric':26s}" + "".join(f"{name:>{w}s}" for name, w in zip(names, widths))
     lines = [head]
     for k in keys:
         scale = 1.0 if k == "output_throughput" else 1e3
         unit = "tok/s" if k == "output_throughput" else "ms"
         line = f"{k + ' (' + unit + ')':26s}" + "".join(f"{r[k] * scale:{w}.1f}" for r, w in zip(rows.values(), widths))
         line += "".join(f"{e[k] * 100:+{w - 1}.1f}%" for e, w in zip(errors.values(), widths[len(rows):]))
+        if noise is not None:
+            line += f"{noise[k] * 100:{widths[-1] - 1}.1f}%"
         lines.append(line)
     return "\n".join(lines)
 
@@ -239,33 +304,81 @@ def draw(path: Path, real_e2e: dict, sim_e2e: dict, real_batch: list, sim_batch:
     plt.close(fig)
 
 
+def contention_scale(model: dict, real_share: float | None) -> float | None:
+    """How much slower the real runs' steps ran than the profile's time basis says, from
+    the CPU share their stepping thread got: 1/share for a CPU-seconds profile, the
+    profile's own share over the runs' for a wall-seconds one. None when unknown."""
+    if not real_share:
+        return None
+    prof = model.get("profile", {})
+    if prof.get("time_basis") == "cpu":
+        return 1.0 / real_share
+    own = (prof.get("cpu_share") or {}).get("cpu")
+    return own / real_share if own else None
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
-    from sim.fitted_cost import FittedCostModel
+    from core.cost_fit import scaled_model
+    from sim.fitted_cost import FittedCostModel, load_cost_model_file
 
     FittedCostModel.from_file(args.cost_model, None)          # a bad file fails before any server starts
+    model = load_cost_model_file(args.cost_model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for k in range(1, args.real_runs + 1):
+        machine_file = out / f"real{k}.machine.json"
+        if args.reuse_real:
+            log, result = out / f"real{k}.steps.jsonl", out / f"real{k}.bench.json"
+            if not (log.exists() and result.exists() and machine_file.exists()):
+                raise ValueError(f"--reuse-real: real run {k} is not in {out}/ (run validate there without it first)")
+            runs.append((log, result, json.loads(machine_file.read_text())))
+            continue
         print(f"real run {k}/{args.real_runs}: serve + bench serve ...", file=sys.stderr, flush=True)
         runs.append(run_real(args, out, k))
+        machine_file.write_text(json.dumps(runs[-1][2]))
     config, trace, engine = workload_from_log(runs[0][0])
+    real = [client_stats(json.loads(r.read_text())) for _, r, _ in runs]
+    shares = [cpu_share(load_log(str(log))[2]) for log, _, _ in runs]
+    mean_share = sum(shares) / len(shares) if all(shares) else None
+    real_mean, noise = mean_stats(real), run_noise(real)
     sim_stats, sim_e2e, sim_batch, _ = run_sim(config, trace, args.cost_model)
-    real = [client_stats(json.loads(r.read_text())) for _, r in runs]
     eng1, real_e2e = engine_stats(trace, engine)
-    rows = {"real1 (client)": real[0]}
-    rows.update({f"real{k + 1} (client)": s for k, s in enumerate(real[1:], 1)})
-    rows.update({"real1 (engine)": eng1, "sim": sim_stats})
-    errors = {"sim vs real1": rel_errors(sim_stats, real[0]), "sim vs engine1": rel_errors(sim_stats, eng1)}
-    for k, s in enumerate(real[1:], 2):
-        errors[f"real{k} vs real1"] = rel_errors(s, real[0])
+    rows = {f"real{k} (client)": s for k, s in enumerate(real, 1)}
+    rows.update({"real mean": real_mean, "real1 (engine)": eng1, "sim": sim_stats})
+    errors = {"sim vs mean": rel_errors(sim_stats, real_mean)}
+    scale = contention_scale(model, mean_share)
+    if scale is not None:
+        # the same simulation with every step slowed as much as the real runs' stepping
+        # thread was kept off its core (the machine's neighbours, the client, the server's
+        # own threads): what the twin predicts given the CPU the engine actually got
+        scaled_path = out / "cost_model.contended.json"
+        scaled_path.write_text(json.dumps(scaled_model(model, scale)))
+        contended, sim_e2e, sim_batch, _ = run_sim(config, trace, str(scaled_path))
+        rows["sim (contended)"] = contended
+        errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
+    errors["sim vs engine1"] = rel_errors(sim_stats, eng1)
     draw(out / "validate.png", real_e2e, sim_e2e, engine["batch"], sim_batch)
     report = {"trace": args.trace, "rate": args.rate, "num_requests": len(trace.requests),
               "cost_model": args.cost_model, "engine_args": args.engine_args, "stats": rows, "errors": errors,
+              "noise": noise, "cpu_share": shares, "contention_scale": scale,
+              "machine": [m for _, _, m in runs], "cpu_count": os.cpu_count(),
               "preemptions_real": sum(1 for r in read_log(str(runs[0][0])) if r["kind"] == "step"
                                       for _ in r["decision"]["preempted"])}
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    print(format_table(rows, errors))
-    print(f"real run 1 preempted {report['preemptions_real']} time(s); report.json and validate.png in {out}/")
+    print(format_table(rows, errors, noise))
+    print(f"real run 1 preempted {report['preemptions_real']} time(s); noise: the real runs' largest distance "
+          f"from their mean")
+    for k, (share, m) in enumerate(zip(shares, report["machine"]), 1):
+        line = f"real run {k}:"
+        if share is not None:
+            line += f" the engine thread ran {share * 100:.0f}% of its steps' wall time (else mostly waiting for a core);"
+        if "server_cpu_s" in m:
+            line += f" server {m['server_cpu_s']:.1f} CPU-s, client {m['client_cpu_s']:.1f} CPU-s"
+        line += (f" in {m['wall_s']:.1f}s on {os.cpu_count()} CPUs; load average {m['loadavg_1m_before']:.2f}"
+                 f" -> {m['loadavg_1m_after']:.2f}")
+        print(line)
+    if scale is not None:
+        print(f"sim (contended): every step x{scale:.2f}, the real runs' slowdown from the CPU they got")
+    print(f"report.json and validate.png in {out}/")
     return 0
-

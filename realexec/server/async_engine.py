@@ -66,6 +66,7 @@ class _Sub:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    arrival_time: float        # time.monotonic() when the handler handed it over
 
 
 class RequestStream:
@@ -178,7 +179,8 @@ class AsyncEngine:
                                                                   if self.error else ""))
         base = request_id or self.new_request_id("req")
         ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-        subs = [_Sub(rid, p, params, priority) for rid, p in zip(ids, prompts)]
+        now = time.monotonic()          # its arrival: it may wait for the step in flight to end
+        subs = [_Sub(rid, p, params, priority, now) for rid, p in zip(ids, prompts)]
         stream = RequestStream(ids, asyncio.get_running_loop(), timeout)
         with self._cond:
             self._adds.append((stream, subs))
@@ -256,7 +258,7 @@ class AsyncEngine:
             prompt_ids = []
             for i, sub in enumerate(subs):
                 engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id,
-                                   priority=sub.priority)
+                                   priority=sub.priority, arrival_time=sub.arrival_time)
                 added.append(sub.request_id)
                 self._streams[sub.request_id] = (stream, i)
                 prompt_ids.append(sub.prompt_token_ids)

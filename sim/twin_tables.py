@@ -1,0 +1,94 @@
+"""`python -m sim.twin_tables`: the twin's error tables in one command (~5-10 min on 2 cores).
+
+Profiles the real engine (`python -m realexec profile`, full grid; or takes --profile),
+then validates it at the two loads the README reports (`python -m sim validate`, each
+served and benchmarked twice):
+  * light: 10 ShareGPT requests at 0.5 req/s, default engine (no queueing);
+  * queueing: 20 requests at 4 req/s on 40 KV blocks of 16 tokens and at most 8
+    sequences (requests queue, and the KV pool runs out: preemptions).
+Writes `tables.md` (both tables, the real runs' noise and CPU share, the machine's load
+average) and each scenario's report and figure under --out. Real engine work runs in
+subprocesses: the simulator never imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCENARIOS = {
+    "light": ["--rate", "0.5", "--num-requests", "10", "--max-tokens-cap", "16"],
+    "queueing": ["--rate", "4", "--num-requests", "20", "--max-tokens-cap", "16",
+                 "--engine-args", "--num-gpu-blocks 40 --max-num-seqs 8"],
+}
+ROWS = ["output_throughput"] + [f"{q}_{m}" for m in ("ttft", "tpot", "e2el") for q in ("median", "p90")]
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cmd[2]} failed ({r.returncode}); see {log}")
+
+
+def markdown(name: str, report: dict) -> str:
+    errors, noise, stats = report["errors"], report["noise"], report["stats"]
+    contended = "sim (contended) vs mean" in errors
+    head = ["metric", "real mean", "sim", "sim vs mean"] + (["sim (contended) vs mean"] if contended else []) \
+        + ["noise (±)"]
+    lines = [f"**{name}**: {report['num_requests']} requests at {report['rate']} req/s"
+             + (f", `{report['engine_args']}`" if report["engine_args"] else "")
+             + f", {report['preemptions_real']} preemption(s) in real run 1",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k in ROWS:
+        scale, unit = (1.0, "tok/s") if k == "output_throughput" else (1e3, "ms")
+        cells = [f"{k} ({unit})", f"{stats['real mean'][k] * scale:.1f}", f"{stats['sim'][k] * scale:.1f}",
+                 f"{errors['sim vs mean'][k] * 100:+.1f}%"]
+        if contended:
+            cells.append(f"{errors['sim (contended) vs mean'][k] * 100:+.1f}%")
+        cells.append(f"{noise[k] * 100:.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    shares = ", ".join(f"{s * 100:.0f}%" for s in report["cpu_share"] if s is not None)
+    loads = ", ".join(f"{m['loadavg_1m_before']:.2f}->{m['loadavg_1m_after']:.2f}" for m in report["machine"])
+    lines += ["", f"engine thread on a core, per real run: {shares or 'n/a'}"
+              + (f" (contended sim: steps x{report['contention_scale']:.2f})" if report.get("contention_scale") else "")
+              + f"; load average (1 min) per run: {loads} on {report['cpu_count']} CPUs", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.twin_tables", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default="traces/sharegpt.json", help="trace (default: %(default)s)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="use this `realexec profile` output instead of profiling first")
+    p.add_argument("--repeats", type=int, default=2, help="profile repeats (default: %(default)s)")
+    p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    p.add_argument("--out", default="results/twin", help="output folder (default: %(default)s)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    py, t0 = sys.executable, time.monotonic()
+    profile = args.profile
+    if profile is None:
+        profile = str(out / "profile.json")
+        _run([py, "-m", "realexec", "profile", "--repeats", str(args.repeats), "--out", profile],
+             out / "profile.log")
+    parts = [f"# twin validation ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, profile {profile})", ""]
+    for name in args.scenarios:
+        _run([py, "-m", "sim", "validate", args.trace, "--cost-model", profile, "--out", str(out / name),
+              *SCENARIOS[name]], out / f"{name}.log")
+        parts.append(markdown(name, json.loads((out / name / "report.json").read_text())))
+    parts.append(f"took {time.monotonic() - t0:.0f}s; load average now {os.getloadavg()[0]:.2f}")
+    text = "\n".join(parts) + "\n"
+    (out / "tables.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
