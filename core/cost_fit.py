@@ -10,6 +10,8 @@ Each part has one linear model per phase ("prefill": any slice longer than one t
 mixed batches included; "decode": one token per sequence), on a family of features
 chosen by held-out error (k-fold cross-validation of the relative error): the fewest
 features that reach near the best error win, so a term is kept only if it predicts.
+The richest family adds a table over the token count (bumps on the profiled counts,
+TABLE_FAMILY), still linear in its coefficients.
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_right
 from typing import Iterable, Sequence
 
 FORMAT = "twinserve-step-cost"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)         # version 1: linear families only
 PHASES = ("prefill", "decode")
 PARTS = ("execute", "overhead")
 FEATURES = ("one", "seqs", "tokens", "context", "pairs")
@@ -35,6 +39,13 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "tokens+seqs+pairs": ("one", "tokens", "seqs", "pairs"),
     "full": ("one", "tokens", "seqs", "context", "pairs"),
 }
+# The richest family: "full" plus a non-negative bump at each interior token count of the
+# profiled grid (a hat function: 1 at that count, 0 at its neighbours; see `hat`). On CPU
+# the dense layers' cost is not linear in the rows they multiply (SmolLM2 fp32: a 2- or
+# 3-sequence decode step costs 1.6-2x a 1-sequence one, a 4-sequence step less than a
+# 3-sequence one): the bumps model that, and outside the grid the model is the line.
+TABLE_FAMILY = "full+tokens-table"
+MAX_KNOTS = 24
 # A simpler family wins unless a richer one cuts the held-out error by more than this
 # fraction of it (guards against chasing noise with extra terms).
 SIMPLER_TOLERANCE = 0.02
@@ -45,9 +56,38 @@ def phase_of(seqs: int, tokens: int) -> str:
     return "prefill" if tokens > seqs else "decode"
 
 
-def feature_values(seqs: int, tokens: int, context: int, pairs: int) -> dict[str, float]:
-    return {"one": 1.0, "seqs": float(seqs), "tokens": float(tokens), "context": float(context),
-            "pairs": float(pairs)}
+def feature_values(seqs: int, tokens: int, context: int, pairs: int, knots: Sequence[int] = ()) -> dict[str, float]:
+    """The linear features, and with `knots` a hat feature "k:<t>" per interior knot t."""
+    v = {"one": 1.0, "seqs": float(seqs), "tokens": float(tokens), "context": float(context), "pairs": float(pairs)}
+    for i in range(1, len(knots) - 1):
+        v[f"k:{knots[i]}"] = hat(knots, i, tokens)
+    return v
+
+
+def hat(knots: Sequence[int], i: int, tokens: float) -> float:
+    """Piecewise-linear bump of interior knot i: 1 at knots[i], falling to 0 at knots[i-1]
+    and knots[i+1], 0 outside."""
+    lo, mid, hi = knots[i - 1], knots[i], knots[i + 1]
+    if tokens <= lo or tokens >= hi:
+        return 0.0
+    return (tokens - lo) / (mid - lo) if tokens <= mid else (hi - tokens) / (hi - mid)
+
+
+def table_knots(token_counts: Iterable[int]) -> list[int]:
+    """The token counts the bumps sit on: the grid's distinct counts (at most MAX_KNOTS,
+    spread over them)."""
+    values = sorted(set(int(t) for t in token_counts))
+    if len(values) <= MAX_KNOTS:
+        return values
+    return [values[j] for j in sorted({round(i * (len(values) - 1) / (MAX_KNOTS - 1)) for i in range(MAX_KNOTS)})]
+
+
+def families(knots: Sequence[int]) -> dict[str, tuple[str, ...]]:
+    """The candidate families, simplest first; the table family when there are interior knots."""
+    fams = dict(FAMILIES)
+    if len(knots) > 2:
+        fams[TABLE_FAMILY] = FAMILIES["full"] + tuple(f"k:{t}" for t in knots[1:-1])
+    return fams
 
 
 def shape_of(starts: Sequence[int], num_tokens: Sequence[int]) -> tuple[int, int, int, int]:
@@ -156,12 +196,13 @@ def cross_validate(rows: list[dict[str, float]], y: list[float], features: Seque
     return errs
 
 
-def choose_family(rows: list[dict[str, float]], y: list[float], k: int = 5,
-                  seed: int = 0) -> tuple[str, dict[str, dict[str, float]]]:
-    """The family to use and every family's held-out error summary."""
-    report = {name: summarize_errors(cross_validate(rows, y, feats, k, seed)) for name, feats in FAMILIES.items()}
-    best = min(report[name]["mean"] for name in FAMILIES)
-    for name in FAMILIES:                    # simplest first
+def choose_family(rows: list[dict[str, float]], y: list[float], k: int = 5, seed: int = 0,
+                  candidates: dict[str, tuple[str, ...]] | None = None) -> tuple[str, dict[str, dict[str, float]]]:
+    """The family to use and every family's held-out error summary (candidates: FAMILIES)."""
+    candidates = FAMILIES if candidates is None else candidates
+    report = {name: summarize_errors(cross_validate(rows, y, feats, k, seed)) for name, feats in candidates.items()}
+    best = min(report[name]["mean"] for name in candidates)
+    for name in candidates:                  # simplest first
         if report[name]["mean"] <= best * (1 + SIMPLER_TOLERANCE) + 1e-12:
             return name, report
     raise AssertionError("unreachable")
@@ -180,13 +221,17 @@ def fit_step_cost(samples: Sequence[dict], k: int = 5, seed: int = 0) -> dict:
             chosen = [s for s in samples if phase_of(s["seqs"], s["tokens"]) == phase]
             if not chosen:
                 continue
-            rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"]) for s in chosen]
+            knots = table_knots(s["tokens"] for s in chosen)
+            rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"], knots) for s in chosen]
             y = [max(s[f"{part}_s"], 1e-9) for s in chosen]
-            family, report = choose_family(rows, y, k, seed)
-            feats = FAMILIES[family]
+            candidates = families(knots)
+            family, report = choose_family(rows, y, k, seed, candidates)
+            feats = candidates[family]
             coef = fit_nonneg([[r[f] for f in feats] for r in rows], y)
-            model["parts"][part][phase] = {"family": family, "features": list(feats), "coef": coef,
-                                           "held_out": report}
+            entry = {"family": family, "features": list(feats), "coef": coef, "held_out": report}
+            if family == TABLE_FAMILY:
+                entry["knots"] = knots
+            model["parts"][part][phase] = entry
     model["held_out_step"] = held_out_step_error(samples, model, k, seed)
     model["repeat_noise"] = repeat_noise(samples)
     return model
@@ -200,7 +245,8 @@ def held_out_step_error(samples: Sequence[dict], model: dict, k: int = 5, seed: 
         chosen = [s for s in samples if phase_of(s["seqs"], s["tokens"]) == phase]
         if not chosen:
             continue
-        rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"]) for s in chosen]
+        knots = table_knots(s["tokens"] for s in chosen)
+        rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"], knots) for s in chosen]
         kk = max(2, min(k, len(chosen)))
         errs: list[float] = []
         for held in _folds(len(chosen), kk, seed):
@@ -254,8 +300,8 @@ def check_model(model: dict, where: str = "cost model") -> None:
     """Raise ValueError naming what is wrong when `model` is not a usable step-cost model."""
     if not isinstance(model, dict) or model.get("format") != FORMAT:
         raise ValueError(f"{where}: not a {FORMAT} file (format field is {model.get('format') if isinstance(model, dict) else None!r})")
-    if model.get("version") != VERSION:
-        raise ValueError(f"{where}: version {model.get('version')!r}, this build reads version {VERSION}")
+    if model.get("version") not in READABLE_VERSIONS:
+        raise ValueError(f"{where}: version {model.get('version')!r}, this build reads versions {READABLE_VERSIONS}")
     parts = model.get("parts")
     if not isinstance(parts, dict):
         raise ValueError(f"{where}: missing 'parts'")
@@ -264,10 +310,15 @@ def check_model(model: dict, where: str = "cost model") -> None:
             entry = parts.get(part, {}).get(phase)
             if entry is None:
                 raise ValueError(f"{where}: no {part} model for {phase} steps (profile both phases)")
-            feats, coef = entry.get("features"), entry.get("coef")
+            feats, coef, knots = entry.get("features"), entry.get("coef"), entry.get("knots", [])
+            if (not isinstance(knots, list) or any(not isinstance(t, int) or t < 1 for t in knots)
+                    or any(a >= b for a, b in zip(knots, knots[1:]))):
+                raise ValueError(f"{where}: {part}/{phase}: knots must be increasing token counts >= 1, got {knots!r}")
+            allowed = set(FEATURES) | {f"k:{t}" for t in knots[1:-1]}
             if (not isinstance(feats, list) or not isinstance(coef, list) or len(feats) != len(coef)
-                    or any(f not in FEATURES for f in feats)):
-                raise ValueError(f"{where}: {part}/{phase}: features and coef must be equal-length lists over {FEATURES}")
+                    or any(f not in allowed for f in feats)):
+                raise ValueError(f"{where}: {part}/{phase}: features and coef must be equal-length lists over "
+                                 f"{FEATURES} and the knots' k:<tokens>")
             if any(not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in coef):
                 raise ValueError(f"{where}: {part}/{phase}: coefficients must be finite and >= 0, got {coef}")
 
@@ -278,22 +329,42 @@ class StepCostEvaluator:
     def __init__(self, model: dict, where: str = "cost model"):
         check_model(model, where)
         self.model = model
-        # per phase: one coefficient per FEATURES entry, execute + overhead summed
-        self._coef = {}
+        # per phase: one coefficient per FEATURES entry, execute + overhead summed, and
+        # each part's bumps as (knots, {interior knot index: coefficient})
+        self._coef, self._bumps = {}, {}
         for phase in PHASES:
             total = dict.fromkeys(FEATURES, 0.0)
+            bumps = []
             for part in PARTS:
                 entry = model["parts"][part][phase]
+                knots = entry.get("knots", [])
+                index = {f"k:{t}": i for i, t in enumerate(knots)}
+                mine = {}
                 for f, c in zip(entry["features"], entry["coef"]):
-                    total[f] += c
+                    if f in total:
+                        total[f] += c
+                    elif c:
+                        mine[index[f]] = c
+                if mine:
+                    bumps.append((knots, mine))
             self._coef[phase] = tuple(total[f] for f in FEATURES)
+            self._bumps[phase] = bumps
 
     def step_time(self, seqs: int, tokens: int, context: int, pairs: int) -> float:
         if seqs <= 0:
             return 0.0
-        one, cs, ct, cc, cp = self._coef["prefill" if tokens > seqs else "decode"]
-        return one + cs * seqs + ct * tokens + cc * context + cp * pairs
+        phase = "prefill" if tokens > seqs else "decode"
+        one, cs, ct, cc, cp = self._coef[phase]
+        t = one + cs * seqs + ct * tokens + cc * context + cp * pairs
+        for knots, coefs in self._bumps[phase]:
+            if knots[0] < tokens < knots[-1]:
+                j = bisect_right(knots, tokens) - 1        # knots[j] <= tokens < knots[j + 1]
+                for i in (j, j + 1):
+                    if i in coefs:
+                        t += coefs[i] * hat(knots, i, tokens)
+        return t
 
     def part_time(self, part: str, seqs: int, tokens: int, context: int, pairs: int) -> float:
         entry = self.model["parts"][part][phase_of(seqs, tokens)]
-        return predict_linear(entry["features"], entry["coef"], feature_values(seqs, tokens, context, pairs))
+        values = feature_values(seqs, tokens, context, pairs, entry.get("knots", []))
+        return predict_linear(entry["features"], entry["coef"], values)

@@ -57,7 +57,9 @@ def grid(chunk: int, quick: bool) -> list[tuple[str, dict]]:
         decode_tokens = 4
     else:
         prefill = [(p, c) for p in sorted({16, 64, 128, chunk}) if p <= chunk for c in (0, chunk, 2 * chunk)]
-        decode = [(b, length) for b in (1, 2, 4, 8, 16, 32) for length in (32, 128, 384) if b * length <= 2048]
+        # small batches densely: on CPU the cost is not linear in the batch there (see cost_fit)
+        decode = [(b, length) for b in (1, 2, 3, 4, 6, 8, 12, 16, 32) for length in (32, 128, 384)
+                  if b * length <= 2048]
         mixed = [(b, 64, p) for b in (4, 16) for p in (32, chunk)]
         decode_tokens = 8
     work = [("prefill", {"tokens": p, "context": c}) for p, c in prefill]

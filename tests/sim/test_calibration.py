@@ -472,3 +472,66 @@ def test_replay_prices_steps_in_the_profiles_time_basis(smollm_log):
         assert report.equal and report.time_basis == basis
         t = report.totals
         assert t["wall"] >= t["cpu"] > 0 and t["runq"] >= 0 and t["predicted"] > 0
+
+
+# ----------------------------------------------------------------------------- the token-count table
+
+def _bumpy_samples() -> list[dict]:
+    """TRUE_EXECUTE/TRUE_OVERHEAD, except that 2- and 3-sequence decode steps cost extra
+    (what SmolLM2's fp32 matmuls do on this CPU)."""
+    out = synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD)
+    out += [dict(s) for s in synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD) if s["tokens"] == s["seqs"]]
+    for s in out:
+        if s["tokens"] == s["seqs"] and s["seqs"] in (2, 3):
+            s["execute_s"] += 4e-3
+    extra = []                    # the bumps need their neighbours: a few 3-sequence steps
+    for c in (16, 200, 800):
+        seqs, tokens, context, pairs = shape_of([c] * 3, [1] * 3)
+        v = feature_values(seqs, tokens, context, pairs)
+        t = {part: sum(c_ * v[f] for f, c_ in coefs["decode"].items())
+             for part, coefs in (("execute", TRUE_EXECUTE), ("overhead", TRUE_OVERHEAD))}
+        extra.append({"seqs": 3, "tokens": 3, "context": context, "pairs": pairs,
+                      "execute_s": t["execute"] + 4e-3, "overhead_s": t["overhead"]})
+    return out + extra + extra
+
+
+def test_a_cost_that_is_not_linear_in_the_batch_gets_the_token_table():
+    from core.cost_fit import TABLE_FAMILY
+
+    model = fit_step_cost(_bumpy_samples())
+    check_model(model)
+    entry = model["parts"]["execute"]["decode"]
+    assert entry["family"] == TABLE_FAMILY and entry["knots"][:4] == [1, 2, 3, 4], entry["held_out"]
+    assert entry["held_out"][TABLE_FAMILY]["mean"] < 0.5 * entry["held_out"]["full"]["mean"]
+    assert model["parts"]["execute"]["prefill"]["family"] != TABLE_FAMILY      # linear there: no table
+    ev = StepCostEvaluator(model)
+    truth = lambda n, c: sum(coef * feature_values(n, n, n * c, n * c + n)[f]      # noqa: E731
+                             for part in (TRUE_EXECUTE, TRUE_OVERHEAD) for f, coef in part["decode"].items())
+    for n in (2, 3):
+        assert ev.step_time(n, n, n * 200, n * 200 + n) == pytest.approx(truth(n, 200) + 4e-3, rel=1e-3)
+    for n in (1, 4, 8, 64):                # off the bumps, and past the grid: the line
+        assert ev.step_time(n, n, n * 200, n * 200 + n) == pytest.approx(truth(n, 200), rel=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 80), st.integers(0, 3000), st.integers(0, 40))
+def test_the_evaluator_adds_up_the_parts_of_a_table_model(n, ctx, k):
+    model = fit_step_cost(_bumpy_samples())
+    ev, cm = StepCostEvaluator(model), _fitted(model)
+    shape = (n, n, ctx, ctx + n)
+    assert ev.step_time(*shape) == pytest.approx(ev.part_time("execute", *shape) + ev.part_time("overhead", *shape))
+    assert cm.decode_step_times(n, ctx, k) == [cm.step_time(BatchShape.decode(n, ctx + j * n)) for j in range(k)]
+
+
+def test_a_table_with_bad_knots_is_refused():
+    model = fit_step_cost(_bumpy_samples())
+    for knots, match in (([1, 3, 2, 4], "knots must be increasing"), ([0, 1, 2], "knots must be increasing"),
+                         ([1, 2, 4, 8], "features and coef")):     # k:3 is no longer a knot
+        bad = json.loads(json.dumps(model))
+        entry = bad["parts"]["execute"]["decode"]
+        entry["knots"] = knots
+        with pytest.raises(ValueError, match=match):
+            check_model(bad)
+    old = json.loads(json.dumps(fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))))
+    old["version"] = 1                     # version-1 files (linear families only) still load
+    check_model(old)
