@@ -2,6 +2,7 @@
 with it, and replay the real engine's decisions through the simulator's core."""
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -430,7 +431,7 @@ def test_a_request_that_waits_for_the_step_in_flight_arrives_when_it_reached_the
 def test_a_scaled_model_prices_every_step_that_many_times_longer(factor, seqs, tokens, context):
     from core.cost_fit import scaled_model
 
-    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    model = _bumpy_model()
     scaled = scaled_model(model, factor)
     check_model(scaled)
     tokens = max(tokens, seqs)
@@ -460,6 +461,8 @@ def test_noise_is_the_real_runs_spread_around_their_mean():
     assert mean_stats(runs) == {"ttft": 2.0, "tpot": 2.0}
     assert run_noise(runs) == {"ttft": 0.5, "tpot": 0.0}
     assert run_noise(runs[:1]) == {"ttft": 0.0, "tpot": 0.0}
+    three = [{"ttft": 1.0}, {"ttft": 2.0}, {"ttft": 6.0}]      # mean 3: the farthest run sets it
+    assert run_noise(three) == {"ttft": 1.0}
 
 
 def test_replay_prices_steps_in_the_profiles_time_basis(smollm_log):
@@ -495,6 +498,11 @@ def _bumpy_samples() -> list[dict]:
     return out + extra + extra
 
 
+@functools.lru_cache(maxsize=1)
+def _bumpy_model() -> dict:
+    return fit_step_cost(_bumpy_samples())
+
+
 def test_a_cost_that_is_not_linear_in_the_batch_gets_the_token_table():
     from core.cost_fit import TABLE_FAMILY
 
@@ -516,7 +524,7 @@ def test_a_cost_that_is_not_linear_in_the_batch_gets_the_token_table():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 80), st.integers(0, 3000), st.integers(0, 40))
 def test_the_evaluator_adds_up_the_parts_of_a_table_model(n, ctx, k):
-    model = fit_step_cost(_bumpy_samples())
+    model = _bumpy_model()
     ev, cm = StepCostEvaluator(model), _fitted(model)
     shape = (n, n, ctx, ctx + n)
     assert ev.step_time(*shape) == pytest.approx(ev.part_time("execute", *shape) + ev.part_time("overhead", *shape))
