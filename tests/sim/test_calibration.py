@@ -466,15 +466,31 @@ def test_noise_is_the_real_runs_spread_around_their_mean():
 
 
 def test_replay_prices_steps_in_the_profiles_time_basis(smollm_log):
+    from core.cost_fit import phase_of, summarize_errors
+    from core.step_log import load_log
     from sim.replay import replay
 
-    model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
-    roof = RooflineCostModel(get_model("SmolLM2-135M"), get_hardware("cpu-2core"))
-    for basis in ("cpu", "wall"):
-        report = replay(str(smollm_log), FittedCostModel(dict(model, profile={"time_basis": basis}), roof))
+    class TenMs:                   # every step 10 ms: the errors are then known from the log
+        def __init__(self, basis):
+            self.time_basis = basis
+
+        def step_time(self, batch):
+            return 0.01
+
+        def swap_time(self, num_blocks, block_bytes):
+            return 0.0
+
+    steps = load_log(str(smollm_log))[2]
+    for basis, key in (("cpu", "cpu_s"), ("wall", "step_s")):
+        report = replay(str(smollm_log), TenMs(basis))
         assert report.equal and report.time_basis == basis
+        for phase, got in report.step_time_error.items():
+            want = summarize_errors([abs(0.01 - s[key]) / s[key] for s in steps
+                                     if phase_of(len(s["decision"]["batch"]),
+                                                 sum(b[2] for b in s["decision"]["batch"])) == phase])
+            assert got == pytest.approx(want)
         t = report.totals
-        assert t["wall"] >= t["cpu"] > 0 and t["runq"] >= 0 and t["predicted"] > 0
+        assert t["wall"] >= t["cpu"] > 0 and t["runq"] >= 0 and t["predicted"] == pytest.approx(0.01 * len(steps))
 
 
 # ----------------------------------------------------------------------------- the token-count table
