@@ -284,6 +284,25 @@ def repeat_noise(samples: Sequence[dict]) -> dict:
     return {phase: summarize_errors(e) for phase, e in errs.items() if e}
 
 
+def fit_swap_cost(samples: Sequence[dict], block_bytes: int, k: int = 5, seed: int = 0) -> dict:
+    """Seconds of one swap copy (either way) of n KV blocks: a + b*n, from samples with
+    `blocks` and `seconds`; with its held-out error and the block size it was timed at."""
+    rows = [{"one": 1.0, "blocks": float(s["blocks"])} for s in samples]
+    y = [max(s["seconds"], 1e-9) for s in samples]
+    coef = fit_nonneg([[r["one"], r["blocks"]] for r in rows], y)
+    return {"features": ["one", "blocks"], "coef": coef, "block_bytes": int(block_bytes),
+            "held_out": summarize_errors(cross_validate(rows, y, ("one", "blocks"), k, seed)),
+            "samples": list(samples)}
+
+
+def swap_seconds(swap: dict, num_blocks: int, block_bytes: int) -> float:
+    """A fitted swap cost at another block size: the per-block term scales with the bytes."""
+    if num_blocks <= 0:
+        return 0.0
+    a, b = swap["coef"]
+    return a + b * num_blocks * block_bytes / swap["block_bytes"]
+
+
 def scaled_model(model: dict, factor: float) -> dict:
     """A copy of `model` whose every step takes `factor` times as long (e.g. a machine where
     the engine gets 1/factor of a core); the raw samples are left out."""
@@ -292,6 +311,8 @@ def scaled_model(model: dict, factor: float) -> dict:
     out = {k: v for k, v in model.items() if k not in ("parts", "samples")}
     out["parts"] = {part: {phase: dict(entry, coef=[c * factor for c in entry["coef"]])
                            for phase, entry in phases.items()} for part, phases in model["parts"].items()}
+    if "swap" in model:
+        out["swap"] = dict(model["swap"], coef=[c * factor for c in model["swap"]["coef"]])
     out["profile"] = dict(model.get("profile", {}), time_scale=factor * model.get("profile", {}).get("time_scale", 1.0))
     return out
 
@@ -321,6 +342,17 @@ def check_model(model: dict, where: str = "cost model") -> None:
                                  f"{FEATURES} and the knots' k:<tokens>")
             if any(not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in coef):
                 raise ValueError(f"{where}: {part}/{phase}: coefficients must be finite and >= 0, got {coef}")
+    if "swap" in model:
+        _check_swap(model["swap"], where)
+
+
+def _check_swap(swap, where: str) -> None:
+    coef, size = swap.get("coef") if isinstance(swap, dict) else None, swap.get("block_bytes") if isinstance(swap, dict) else None
+    if (not isinstance(coef, list) or len(coef) != 2
+            or any(not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in coef)):
+        raise ValueError(f"{where}: swap: coef must be two finite numbers >= 0 (fixed, per block), got {coef!r}")
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{where}: swap: block_bytes must be a positive integer, got {size!r}")
 
 
 class StepCostEvaluator:

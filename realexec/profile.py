@@ -16,8 +16,9 @@ thread. On CPU the fit uses the CPU seconds (`--time-basis`): a step's wall time
 shared machine also holds the time its thread waited for a core (`runq_s`, 30-40% at a
 load average of 3 on 2 cores), which changes with the neighbours, not with the batch.
 `core.cost_fit` fits each part per phase, choosing
-the feature family by k-fold held-out error, and the file holds the raw samples and the
-fitted model (plain JSON; `python -m sim run --cost-model FILE` reads it).
+the feature family by k-fold held-out error. Swap copies are timed apart (n blocks out
+and back in on the idle engine) and fitted as a fixed cost plus a cost per block. The
+file holds the raw samples and the fitted model (plain JSON; `python -m sim run --cost-model FILE` reads it).
 """
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ import sys
 import time
 
 from core import SamplingParams
-from core.cost_fit import PHASES, fit_step_cost, phase_of, shape_of
+from core.cost_fit import PHASES, fit_step_cost, fit_swap_cost, phase_of, shape_of
 from realexec.config import add_engine_args, engine_args_from_namespace
 
 FULL_CHUNK, QUICK_CHUNK = 256, 32
 TIME_BASES = ("auto", "cpu", "wall")
+SWAP_BLOCKS, SWAP_BLOCKS_QUICK = (1, 4, 16, 64), (1, 4, 16)      # blocks per timed swap copy
 
 
 def add_arguments(parser) -> None:
@@ -167,6 +169,32 @@ def cpu_share(samples: list[dict]) -> dict[str, float] | None:
     return {"cpu": sum(s["cpu_s"] for s in samples) / wall, "runq": sum(s["runq_s"] for s in samples) / wall}
 
 
+def profile_swaps(engine, counts: tuple[int, ...], repeats: int, basis: str) -> list[dict]:
+    """Time the executor's swap copies of n blocks each way (idle engine: swap out blocks
+    0..n-1, then back in, which restores them). Skipped without a swap pool."""
+    cache = engine.scheduler.cache_config
+    limit = min(cache.num_gpu_blocks, cache.num_cpu_blocks)
+    clock = time.thread_time if basis == "cpu" else time.perf_counter
+    rpc = engine.executor.collective_rpc
+    samples = []
+    for r in range(repeats + 1):                       # round 0 warms up
+        timed = []
+        for n in counts:
+            if n > limit:
+                continue
+            mapping = [(i, i) for i in range(n)]
+            t0 = clock()
+            rpc("swap_out", (mapping,))
+            t1 = clock()
+            rpc("swap_in", (mapping,))
+            t2 = clock()
+            timed += [{"blocks": n, "seconds": t1 - t0, "direction": "out"},
+                      {"blocks": n, "seconds": t2 - t1, "direction": "in"}]
+        if r:
+            samples += timed
+    return samples
+
+
 def profile(engine, *, quick: bool, repeats: int, folds: int = 5, time_basis: str = "auto", log=print) -> dict:
     from realexec.step_recorder import StepRecorder
 
@@ -188,6 +216,9 @@ def profile(engine, *, quick: bool, repeats: int, folds: int = 5, time_basis: st
         steps = rec.steps
     samples = [sample_of(s, basis) for s in steps]
     model = fit_step_cost(samples, k=folds)
+    swaps = profile_swaps(engine, SWAP_BLOCKS_QUICK if quick else SWAP_BLOCKS, repeats, basis)
+    if swaps:
+        model["swap"] = fit_swap_cost(swaps, engine.executor.collective_rpc("bytes_per_block")[0], k=folds)
     model["profile"] = {
         "model": engine.args.model or "SmolLM2-135M-Instruct", "device": str(engine.args.device),
         "host": platform.node(), "tensor_parallel_size": engine.args.tensor_parallel_size,
@@ -227,6 +258,12 @@ def format_report(model: dict) -> str:
                      f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
     lo, hi = model["profile"]["loadavg_1m"]
     lines.append(f"machine load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {os.cpu_count()} CPUs")
+    swap = model.get("swap")
+    if swap:
+        a, b = swap["coef"]
+        e = swap["held_out"]
+        lines.append(f"swap copy (each way): {a * 1e3:.3f} ms + {b * 1e3:.4f} ms per block of {swap['block_bytes']} "
+                     f"bytes; held-out error mean {e['mean'] * 100:.1f}% p90 {e['p90'] * 100:.1f}% (n={e['n']})")
     share = model["profile"].get("cpu_share")
     if share:
         lines.append(f"the stepping thread ran {share['cpu'] * 100:.0f}% of the steps' wall time and waited "

@@ -11,7 +11,8 @@ before the executor builds its step message, and the executor's wall time) and
 reads them). Each step also carries where its wall time went on the stepping thread:
 `cpu_s` (the thread ran; `execute_cpu_s` of it inside the executor) and `runq_s` (it
 was runnable but another process or thread had the core); the rest of `step_s` it was
-blocked (the GIL, locks, I/O, a worker process or actor computing). `runq_s` comes
+blocked (the GIL, locks, I/O, a worker process or actor computing) or, in a VM, its
+virtual CPU was not running (steal). `runq_s` comes
 from Linux schedstat (absent elsewhere). With
 `worker_timings`, each step also carries the worker's input-preparation and
 forward+sampling seconds (one extra `get_timings` call after the step, not timed).
@@ -68,21 +69,21 @@ class StepRecorder:
 
     def _on_execute(self, out):
         decision = step_decision(out, self.engine.scheduler.kv)
-        cpu0 = time.thread_time()
         t = time.perf_counter()
+        cpu0 = time.thread_time()
         result = self._execute(out)
-        self._pending = {"decision": decision, "execute_s": time.perf_counter() - t,
-                         "execute_cpu_s": time.thread_time() - cpu0}
+        cpu = time.thread_time() - cpu0
+        self._pending = {"decision": decision, "execute_s": time.perf_counter() - t, "execute_cpu_s": cpu}
         return result
 
     def _on_step(self):
         detok0 = self.engine.detokenize_time
-        sched0 = thread_schedstat()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()              # the wall clock brackets the CPU/run-queue reads:
+        sched0 = thread_schedstat()           # cpu_s + runq_s <= step_s
         start = time.monotonic() - self._t0
         outputs = self._step()
-        wall = time.perf_counter() - t0
         sched1 = thread_schedstat()
+        wall = time.perf_counter() - t0
         pending, self._pending = self._pending, None
         if pending is not None:
             rec = {"kind": "step", "step": self._executed, "t_start": start, "t_end": start + wall,

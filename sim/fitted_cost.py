@@ -3,15 +3,15 @@
 The file is plain JSON (format in `core.cost_fit`): per phase, the executor's time and
 the engine's per-step overhead (scheduling, update, detokenization) as non-negative
 linear models of the batch's sums. A simulated step costs their sum, so the simulated
-clock advances like the real engine's step loop. The profile says nothing about swap
-copies, so swap time comes from a fallback model (the roofline's PCIe term for the
-configured hardware).
+clock advances like the real engine's step loop. Swap copies cost the profile's fitted
+swap time (fixed + per block, scaled by the block size); a profile without one (older
+files, no swap pool) falls back to another model (the roofline's PCIe term).
 """
 from __future__ import annotations
 
 import json
 
-from core.cost_fit import StepCostEvaluator
+from core.cost_fit import StepCostEvaluator, swap_seconds
 from sim.cost_model import BatchShape, CostModel
 
 
@@ -44,6 +44,9 @@ class FittedCostModel:
         return self.evaluator.step_time(batch.num_seqs, batch.num_new_tokens, batch.context_sum, batch.attn_pairs)
 
     def swap_time(self, num_blocks: int, block_bytes: int) -> float:
+        swap = self.evaluator.model.get("swap")
+        if swap is not None:
+            return swap_seconds(swap, num_blocks, block_bytes)
         return self._swap_fallback.swap_time(num_blocks, block_bytes)
 
     def decode_step_times(self, num_seqs: int, context_sum: int, k: int) -> list[float]:

@@ -282,7 +282,8 @@ def format_table(rows: dict[str, dict[str, float]], errors: dict[str, dict[str, 
     return "\n".join(lines)
 
 
-def draw(path: Path, real_e2e: dict, sim_e2e: dict, real_batch: list, sim_batch: list) -> None:
+def draw(path: Path, real_e2e: dict, sim_e2e: dict, real_batch: list, sim_batch: list,
+         sim_label: str = "simulated") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -290,12 +291,12 @@ def draw(path: Path, real_e2e: dict, sim_e2e: dict, real_batch: list, sim_batch:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     ids = [k for k in real_e2e if k in sim_e2e]
     a.plot(range(len(ids)), [real_e2e[k] for k in ids], "o-", label="real (engine)", ms=3)
-    a.plot(range(len(ids)), [sim_e2e[k] for k in ids], "x--", label="simulated", ms=4)
+    a.plot(range(len(ids)), [sim_e2e[k] for k in ids], "x--", label=sim_label, ms=4)
     a.set_xlabel("request (arrival order)")
     a.set_ylabel("E2E latency (s)")
     a.legend()
     b.step([t for t, _ in real_batch], [n for _, n in real_batch], where="post", label="real")
-    b.step([t for t, _ in sim_batch], [n for _, n in sim_batch], where="post", label="simulated", alpha=0.8)
+    b.step([t for t, _ in sim_batch], [n for _, n in sim_batch], where="post", label=sim_label, alpha=0.8)
     b.set_xlabel("time (s)")
     b.set_ylabel("running batch size")
     b.legend()
@@ -358,7 +359,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         rows["sim (contended)"] = contended
         errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
     errors["sim vs engine1"] = rel_errors(sim_stats, eng1)
-    draw(out / "validate.png", real_e2e, sim_e2e, engine["batch"], sim_batch)
+    draw(out / "validate.png", real_e2e, sim_e2e, engine["batch"], sim_batch,
+         "simulated (contended)" if scale is not None else "simulated")
     report = {"trace": args.trace, "rate": args.rate, "num_requests": len(trace.requests),
               "cost_model": args.cost_model, "engine_args": args.engine_args, "stats": rows, "errors": errors,
               "noise": noise, "cpu_share": shares, "contention_scale": scale,
