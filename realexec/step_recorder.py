@@ -12,13 +12,15 @@ reads them). Each step also carries where its wall time went on the stepping thr
 `cpu_s` (the thread ran; `execute_cpu_s` of it inside the executor) and `runq_s` (it
 was runnable but another process or thread had the core); the rest of `step_s` it was
 blocked (the GIL, locks, I/O, a worker process or actor computing) or, in a VM, its
-virtual CPU was not running (steal). `runq_s` comes
+virtual CPU was not running (steal). `gc_s`: seconds of Python's garbage collector
+during the step (any thread's; it holds the GIL). `runq_s` comes
 from Linux schedstat (absent elsewhere). With
 `worker_timings`, each step also carries the worker's input-preparation and
 forward+sampling seconds (one extra `get_timings` call after the step, not timed).
 """
 from __future__ import annotations
 
+import gc
 import time
 
 from core.step_log import config_record, step_decision, write_record
@@ -35,6 +37,21 @@ def thread_schedstat() -> dict[str, float]:
     except (OSError, ValueError, IndexError):
         pass
     return out
+
+
+class _GcClock:
+    """Seconds spent in Python's cyclic garbage collector, process-wide (gc.callbacks)."""
+
+    def __init__(self):
+        self.total = 0.0
+        self._start = None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.total += time.perf_counter() - self._start
+            self._start = None
 
 
 class StepRecorder:
@@ -54,6 +71,8 @@ class StepRecorder:
         core.add_request = self._on_add
         executor.execute_model = self._on_execute
         engine._step = self._on_step
+        self._gc = _GcClock()
+        gc.callbacks.append(self._gc)
         self._emit(config_record(engine.scheduler, engine.args.policy_names()))
 
     # -- hooks ------------------------------------------------------------------------------
@@ -80,6 +99,7 @@ class StepRecorder:
         detok0 = self.engine.detokenize_time
         t0 = time.perf_counter()              # the wall clock brackets the CPU/run-queue reads:
         sched0 = thread_schedstat()           # cpu_s + runq_s <= step_s
+        gc0 = self._gc.total
         start = time.monotonic() - self._t0
         outputs = self._step()
         sched1 = thread_schedstat()
@@ -90,6 +110,7 @@ class StepRecorder:
                    "step_s": wall, "execute_s": pending["execute_s"], "execute_cpu_s": pending["execute_cpu_s"],
                    "detokenize_s": self.engine.detokenize_time - detok0, "decision": pending["decision"]}
             rec.update({k: sched1[k] - sched0[k] for k in sched1})
+            rec["gc_s"] = self._gc.total - gc0
             if self.worker_timings:
                 now = self._worker_timings()
                 rec.update({k: now[k] - self._timings[k] for k in now})
@@ -128,6 +149,8 @@ class StepRecorder:
                           (self.engine, "_step")):
             obj.__dict__.pop(name, None)
         self._add = self._execute = self._step = None
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
         if self._file is not None:
             self._file.close()
 

@@ -389,6 +389,7 @@ def test_step_records_split_wall_time_into_cpu_and_the_rest(tiny):
         assert step["step_s"] >= step["execute_s"] >= 0.05
         assert 0 < step["execute_cpu_s"] <= step["cpu_s"] < step["step_s"] - 0.04
         assert 0 <= step["runq_s"] <= step["step_s"] - step["cpu_s"]
+        assert 0 <= step["gc_s"] <= step["step_s"]
         cpu, wall = sample_of(step, "cpu"), sample_of(step, "wall")
         assert cpu["execute_s"] < 0.04 <= 0.05 <= wall["execute_s"]
         assert cpu["execute_s"] + cpu["overhead_s"] == pytest.approx(step["cpu_s"])
