@@ -20,13 +20,14 @@ from dataclasses import dataclass, field, replace
 
 from core import (CacheConfig, EngineCore, InvalidRequestError, Request, RequestStatus, SamplingParams,
                   Scheduler, SchedulerConfig, Sequence)
+from core.config import default_max_model_len, default_max_num_batched_tokens
 from core.request import RequestMetrics
 from policies import PolicySet
 from realexec.config import EngineArgs
 from realexec.launch import make_executor
 
-DEFAULT_MAX_MODEL_LEN = 2048
-DEFAULT_MAX_BATCHED_TOKENS = 2048
+# CPU serving caps an unset max_model_len here (the model's own context can be far longer).
+MAX_MODEL_LEN_CAP = 2048
 
 
 @dataclass
@@ -108,9 +109,8 @@ class LLMEngine:
             raise ValueError("no memory left for the KV cache: raise --kv-cache-memory or "
                              "--gpu-memory-utilization")
         self.max_model_len = self._resolve_max_model_len(num_gpu_blocks)
-        max_batched = args.max_num_batched_tokens or (
-            DEFAULT_MAX_BATCHED_TOKENS if args.enable_chunked_prefill
-            else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
+        max_batched = args.max_num_batched_tokens or default_max_num_batched_tokens(
+            args.enable_chunked_prefill, self.max_model_len)
         cache_config = CacheConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
                                    watermark=args.watermark, prefix_caching_hash_algo=args.prefix_caching_hash_algo)
@@ -141,10 +141,9 @@ class LLMEngine:
 
     def _resolve_max_model_len(self, num_gpu_blocks: int) -> int:
         model_max = self.model_config.max_position_embeddings
-        cache_max = num_gpu_blocks * self.args.block_size
         wanted = self.args.max_model_len
         if wanted is None:
-            return min(model_max, DEFAULT_MAX_MODEL_LEN, cache_max)
+            return default_max_model_len(model_max, num_gpu_blocks, self.args.block_size, cap=MAX_MODEL_LEN_CAP)
         if wanted > model_max:
             raise ValueError(f"max-model-len {wanted} exceeds the model's max_position_embeddings {model_max}")
         return wanted      # the scheduler config checks it against the cache, with a clear message
