@@ -243,10 +243,13 @@ class UniprocExecutor(ExecutorBase):
 
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        result = self.driver.execute_model(self.builder.build(scheduler_output))
+        result = self._execute(self.builder.build(scheduler_output))
         self._execute_time += time.perf_counter() - t0
         self.num_steps += 1
         return result
+
+    def _execute(self, msg: StepMessage) -> ModelRunnerOutput:
+        return self.driver.execute_model(msg)
 
     def execute_model_async(self, scheduler_output) -> Future:
         future: Future = Future()
