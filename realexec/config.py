@@ -106,7 +106,6 @@ class EngineArgs:
             raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
                              f"{self.tensor_parallel_size} x pipeline-parallel-size "
                              f"{self.pipeline_parallel_size} needs mp or ray")
-        self.layer_partition()          # its form; the layer count is checked against the model's later
         if self.step_log and self.pipeline_parallel_size > 1:
             raise ValueError("step-log records one batch per step; with pipeline-parallel-size > 1 several "
                              "batches are in flight: drop --step-log or use one stage")
@@ -124,13 +123,6 @@ class EngineArgs:
     def world_size(self) -> int:
         """Ranks (workers): pipeline stages x tensor-parallel ranks per stage."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def layer_partition(self) -> list[int] | None:
-        """--pp-layer-partition as a list of layer counts (None: the even split), checked for
-        one positive entry per stage; whether they sum to the model's layers is checked with
-        the model's config (realexec.parallel.stage_layer_ranges)."""
-        from realexec.parallel import parse_layer_partition
-        return parse_layer_partition(self.pp_layer_partition, self.pipeline_parallel_size)
 
     def executor_backend(self) -> str:
         backend = self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")

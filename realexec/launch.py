@@ -16,7 +16,7 @@ def check_parallel_config(args: EngineArgs) -> None:
     from realexec.parallel import check_tensor_parallel, stage_layer_ranges
     cfg = read_model_config(args.model)
     check_tensor_parallel(cfg, args.tensor_parallel_size)
-    stage_layer_ranges(cfg.num_hidden_layers, args.pipeline_parallel_size, args.layer_partition())
+    stage_layer_ranges(cfg.num_hidden_layers, args.pipeline_parallel_size, args.pp_layer_partition)
 
 
 def make_executor(args: EngineArgs) -> ExecutorBase:

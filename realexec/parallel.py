@@ -127,44 +127,14 @@ class PPGroup:
         return h
 
 
-def parse_layer_partition(partition: str | Sequence[int] | None, pp: int) -> list[int] | None:
-    """'10,10,10' (or [10, 10, 10]) -> [10, 10, 10]: one positive layer count per stage."""
-    if partition is None or partition == "":
-        return None
-    if isinstance(partition, str):
-        try:
-            counts = [int(p) for p in partition.split(",")]
-        except ValueError:
-            raise ValueError(f"pp-layer-partition must be comma-separated layer counts such as 10,10,10; "
-                             f"got {partition!r}") from None
-    else:
-        counts = [int(p) for p in partition]
-    if len(counts) != pp:
-        raise ValueError(f"pp-layer-partition {','.join(map(str, counts))} has {len(counts)} entries but "
-                         f"pipeline-parallel-size is {pp}: give one layer count per stage")
-    if any(c < 1 for c in counts):
-        raise ValueError(f"pp-layer-partition {','.join(map(str, counts))}: every stage needs at least one "
-                         f"layer")
-    return counts
-
-
-def stage_layer_ranges(num_layers: int, pp: int, partition: Sequence[int] | None = None) -> list[range]:
-    """The decoder layers of each stage: `partition` when given (it must sum to num_layers),
+def stage_layer_ranges(num_layers: int, pp: int, partition: str | Sequence[int] | None = None) -> list[range]:
+    """The decoder layers of each stage (contiguous): `partition` ("10,10,10") when given,
     else an even split with the remainder on the earlier stages (the last stage also runs
-    the final norm, the LM head and the sampler)."""
-    if pp < 1:
-        raise ValueError(f"pipeline-parallel-size must be >= 1, got {pp}")
-    if partition is None:
-        if pp > num_layers:
-            raise ValueError(f"pipeline-parallel-size {pp} exceeds the model's {num_layers} decoder layers "
-                             f"(every stage needs at least one)")
-        base, extra = divmod(num_layers, pp)
-        partition = [base + (1 if k < extra else 0) for k in range(pp)]
-    elif sum(partition) != num_layers:
-        raise ValueError(f"pp-layer-partition {','.join(map(str, partition))} sums to {sum(partition)} "
-                         f"layers but the model has {num_layers}")
+    the final norm, the LM head and the sampler). The split and its checks are the core's
+    (`core.config.pipeline_stage_layers`), shared with the simulator."""
+    from core.config import pipeline_stage_layers
     ranges, start = [], 0
-    for count in partition:
+    for count in pipeline_stage_layers(num_layers, pp, partition):
         ranges.append(range(start, start + count))
         start += count
     return ranges

@@ -142,7 +142,7 @@ class Worker:
         torch.manual_seed(self.args.seed)
         from realexec.loader import read_model_config
         stages = stage_layer_ranges(read_model_config(self.args.model).num_hidden_layers, self.layout.pp,
-                                    self.args.layer_partition())
+                                    self.args.pp_layer_partition)
         self.tp, self.pp = init_distributed(self.rank, self.world_size, self.distributed_init_method or "",
                                             self.device, self.layout, stages)
 
