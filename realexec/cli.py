@@ -142,10 +142,13 @@ def run_generate(args) -> int:
 
     with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):   # bars only on a terminal
         llm = LLM(**{k: v for k, v in vars(engine_args).items()})
-    if args.chat:
-        (out,) = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=None)
-    else:
-        (out,) = llm.generate(args.prompt, params, use_tqdm=None)
+    try:
+        if args.chat:
+            (out,) = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=None)
+        else:
+            (out,) = llm.generate(args.prompt, params, use_tqdm=None)
+    finally:
+        llm.shutdown()                # worker processes / Ray actors stop now, not at exit
     many = len(out.outputs) > 1
     for c in out.outputs:
         if many:

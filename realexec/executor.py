@@ -60,6 +60,7 @@ class InOrderReplies:
         self._cond = threading.Condition()
         self._closed = False
         self.busy_time = 0.0              # seconds with at least one call out (overlaps counted once)
+        self.num_outstanding = 0          # submitted, future not resolved yet
         self._last_done = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -71,6 +72,7 @@ class InOrderReplies:
             if self._closed:
                 raise RuntimeError("the executor is shut down")
             self._queue.append((future, collect, time.perf_counter() if started is None else started))
+            self.num_outstanding += 1
             self._cond.notify()
         return future
 
@@ -82,21 +84,21 @@ class InOrderReplies:
                 if not self._queue:
                     return
                 future, collect, sent_at = self._queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
-                value = collect()
+                value = collect() if future.set_running_or_notify_cancel() else None
             except BaseException as e:        # noqa: BLE001 - handed to whoever waits on it
+                with self._cond:
+                    self.num_outstanding -= 1
                 future.set_exception(e)
             else:
-                future.set_result(value)
+                with self._cond:
+                    self.num_outstanding -= 1
+                if not future.cancelled():
+                    future.set_result(value)
             done = time.perf_counter()
             self.busy_time += done - max(sent_at, self._last_done)
             self._last_done = done
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._queue)
 
     def close(self) -> None:
         """No more calls; the reader collects those already queued (they fail fast once the
@@ -194,7 +196,7 @@ class ExecutorBase:
     @property
     def num_in_flight(self) -> int:
         """Calls sent whose replies have not been collected yet."""
-        return self._replies.num_pending if self._replies is not None else 0
+        return self._replies.num_outstanding if self._replies is not None else 0
 
     def sleep(self, level: int = 1) -> int:
         """Release device memory on every rank; -> bytes released (summed over ranks).
