@@ -48,6 +48,8 @@ COMMANDS: dict[str, Command | dict] = {
                          "realexec.bench_chaos:add_arguments", "realexec.bench_chaos:run"),
         "executors": Command("uni / mp / ray executors: step-message bytes, RPC overhead, tok/s; SmolLM2 TP=1 vs 3",
                              "realexec.bench_executors:add_arguments", "realexec.bench_executors:run"),
+        "pipeline": Command("pipeline parallelism: stage busy fraction and tok/s, 1 vs P batches in flight",
+                            "realexec.bench_pipeline:add_arguments", "realexec.bench_pipeline:run"),
         "kernels": Command("CUDA: Triton decode-attention bandwidth, and decode step graph vs eager",
                            "realexec.bench_graphs:add_kernels_arguments", "realexec.bench_graphs:run_kernels"),
     },

@@ -12,8 +12,10 @@ or a multi-node cluster.
   thread). Bundles are packed (PACK), so ranks share a node when they can.
 * Rendezvous: rank 0's actor reports its node's IP and a free port; every rank joins the
   torch.distributed group there (gloo on CPU, NCCL on GPUs).
-* Steps: the encoded step message is put in the object store once; every actor gets the
-  same reference; the output rank (the last stage's TP driver) returns the sampled tokens,
+* Steps: the encoded step message goes inline with each actor call when small (decode
+  steps), else it is put in the object store once and every actor gets the same
+  reference (measured with `python -m realexec bench pipeline --backend ray`: the put
+  costs each step an extra fetch round trip, which idles the stages); the output rank (the last stage's TP driver) returns the sampled tokens,
   the others None. Pipeline stages hand hidden states to each other over the same
   torch.distributed group (point-to-point send/recv), not through Ray: no object-store
   round trip per step and stage, and the engine stays out of the activations' path.
@@ -38,6 +40,9 @@ from realexec.executor import ExecutorBase, InOrderReplies, WorkerError, load_en
 from realexec.serialization import decode_step, encode_step
 
 PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+# Step messages up to this size are passed by value (decode steps: a few hundred bytes);
+# a put object is fetched by each actor from the engine's store: one more round trip.
+INLINE_MESSAGE_BYTES = 64 * 1024
 
 
 class RayWorkerActor:
@@ -210,9 +215,11 @@ class RayExecutor(ExecutorBase):
     def _send_step(self, msg: StepMessage):
         data = encode_step(msg)
         self.message_bytes += len(data)
-        ref = self._ray.put(data)
+        # A small message travels inline with each call (Ray copies arguments under its
+        # inline limit into the task itself); a large one is put in the object store once.
+        arg = data if len(data) <= INLINE_MESSAGE_BYTES else self._ray.put(data)
         ticket = self._next_ticket()
-        return [a.execute.remote(ticket, ref) for a in self.actors], f"step {msg.step_id}", self.output_rank
+        return [a.execute.remote(ticket, arg) for a in self.actors], f"step {msg.step_id}", self.output_rank
 
     def _collect(self, handle):
         refs, what, rank = handle
