@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from core import SamplingParams
 from core.kv_capacity import kv_blocks_per_rank
@@ -151,6 +152,79 @@ def test_stage_reads_only_its_checkpoint_tensors(tmp_path, monkeypatch):
     first = sorted(layer_names[:9] + ["model.embed_tokens.weight"])
     last = sorted(layer_names[9:] + ["model.norm.weight", "model.embed_tokens.weight"])   # tied: head copy
     assert sorted(read[:len(first)]) == first and sorted(read[len(first):]) == last
+
+
+# ----------------------------------------------------------------------------- messages in flight
+
+class PipelinedMirror:
+    """An async executor whose 'workers' are a ModelRunner's per-sequence state fed only
+    with encoded step messages, built and applied in submission order while earlier batches
+    are still out (as every pipeline stage applies them). At each submission the state a
+    stage computes from must equal the scheduler's decision."""
+
+    def __init__(self):
+        from core.step_message import StepMessageBuilder
+        from realexec.model_runner import ModelRunner
+        from tests.core.toy_executor import AsyncToyExecutor
+        self.toy = AsyncToyExecutor()
+        self.builder = StepMessageBuilder()
+        self.runner = ModelRunner(None, "cpu", 4, None)
+
+    def execute_model(self, out):
+        return self.execute_model_async(out).result()
+
+    def execute_model_async(self, out):
+        from realexec.serialization import decode_step, encode_step
+        self.runner.update_states(decode_step(encode_step(self.builder.build(out))))
+        for s in out.scheduled:
+            mine = self.runner.seqs[s.seq_id]
+            end = s.start + s.num_tokens
+            assert mine.token_ids[:end] == s.seq.token_ids[:end], s
+            assert mine.block_ids == s.block_table, s
+        assert set(self.runner.seqs) == set(self.builder._sent)
+        return self.toy.execute_model_async(out)
+
+
+@given(lengths=st.lists(st.integers(1, 20), min_size=2, max_size=8),
+       outs=st.lists(st.integers(1, 12), min_size=8, max_size=8),
+       ns=st.lists(st.sampled_from([1, 1, 2, 3]), min_size=8, max_size=8),
+       beam=st.booleans(), preemption=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       blocks=st.integers(12, 30), budget=st.integers(4, 40), seats=st.integers(1, 4), pp=st.integers(2, 3),
+       abort_at=st.integers(0, 30))
+def test_step_messages_stay_true_with_batches_in_flight(lengths, outs, ns, beam, preemption, caching, blocks,
+                                                        budget, seats, pp, abort_at):
+    """The message builder's assumptions (departures sent once a request has left; a
+    replaced table sent whole as `resumed`) hold when P batches are out: what the workers
+    rebuild always equals the scheduler's view, and after the last departure nothing is left."""
+    from core import CacheConfig, EngineCore, Request, Scheduler, SchedulerConfig
+    from policies import PolicySet
+    from tests.core.toy_executor import VOCAB
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=seats + 2, max_num_batched_tokens=budget, max_model_len=40,
+                                      pipeline_parallel_size=pp),
+                      CacheConfig(block_size=4, num_gpu_blocks=blocks, num_cpu_blocks=16,
+                                  enable_prefix_caching=caching, watermark=0.0),
+                      PolicySet.from_names(preemption=preemption))
+    ex = PipelinedMirror()
+    engine = EngineCore(sched, ex, max_concurrent_batches=pp)
+    shared = [7, 8, 9, 10, 11, 12, 13, 14]
+    for i, n in enumerate(lengths):
+        prompt = (shared + [(i * 5 + j) % VOCAB for j in range(n)])[:36]
+        params = (SamplingParams(beam_width=2, max_tokens=outs[i], temperature=0.0) if beam and i == 0 else
+                  SamplingParams(n=ns[i], max_tokens=outs[i]))
+        engine.add_request(Request(f"r{i}", prompt, params, eos_token_id=None))
+    steps = 0
+    while sched.has_unfinished_requests() or sched.has_unreported_finishes or engine.num_in_flight:
+        engine.step()
+        steps += 1
+        if steps == abort_at:
+            sched.abort("r1")                 # possibly in flight: deferred by the core
+        assert steps < 2000
+    assert ex.toy.max_in_flight <= pp
+    empty = type("Empty", (), {"scheduled": [], "blocks_to_swap_out": [], "blocks_to_swap_in": [],
+                               "blocks_to_copy": []})()
+    ex.runner.update_states(ex.builder.build(empty))
+    assert not ex.runner.seqs and not ex.runner.requests and not ex.builder._sent
 
 
 # ----------------------------------------------------------------------------- validation
