@@ -221,7 +221,9 @@ class LLMEngine:
         return self.core.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        """Requests not finished yet, or batches still in flight (e.g. holding a request
+        aborted meanwhile: stepping returns them and frees its blocks)."""
+        return bool(self._states) or self.core.num_in_flight > 0
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from core import SamplingParams
-from core.kv_capacity import kv_blocks_per_rank
+from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from realexec import LLM
 from realexec.executor import WorkerError
 from tests.realexec.test_distributed import (GREEDY, PARAMS, PROMPTS, TIGHT, assert_gone, run_workload,
@@ -287,6 +287,8 @@ def test_pp2_ray_uneven_split_matches_single_rank_then_stage_kill(tiny, referenc
         geometry = dict(num_kv_heads=2, head_dim=16, dtype_bytes=4)
         assert blocks == [kv_blocks_per_rank(2**30, 4, num_layers=1, **geometry),
                           kv_blocks_per_rank(2**30, 4, num_layers=3, **geometry)]
+        # The engine's budget: the minimum over stages, as the core (and the simulator) price it.
+        assert ex.determine_num_available_blocks()[0] == kv_blocks_per_pipeline(2**30, 4, [1, 3], **geometry)
         out, preemptions, in_flight, _ = run_pipelined(llm)
         assert out == reference and preemptions > 0 and in_flight == 2
         llm.engine.add_request(PROMPTS[2], SamplingParams(max_tokens=20, **GREEDY))
@@ -337,6 +339,47 @@ def test_mp_stage_killed_mid_run_named_then_all_stopped(mp_llm):
     assert_gone(pids)
     with pytest.raises(WorkerError):
         mp_llm.engine.step()
+
+
+def test_pp2_server_answers_like_a_single_rank_then_stage_kill_is_503(tiny):
+    """Behind the OpenAI server: two concurrent completions (max_num_seqs=1: two batches in
+    flight) get a single rank's greedy tokens; killing stage 0 mid-stream ends the stream
+    with an error naming rank 0, /health turns 503 and no worker process is left."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from realexec.engine import LLMEngine
+    from realexec.server.app import create_app
+    from tests.realexec.server.test_server import serve
+
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    single = tokens(LLM(model=tiny, block_size=4, num_gpu_blocks=64).generate(
+        prompts, SamplingParams(max_tokens=12, **GREEDY)))
+    engine = LLMEngine(model=tiny, pipeline_parallel_size=2, distributed_executor_backend="mp", block_size=4,
+                       num_gpu_blocks=64, max_num_seqs=1)
+    pids = engine.executor.pids
+    body = {"model": "m", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    try:
+        with serve(create_app(engine, served_model_name="m")) as url, httpx.Client(timeout=60) as client:
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda p: client.post(f"{url}/v1/completions", json={**body, "prompt": p}),
+                                        prompts))
+            got = [[[int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]] for r in answers]
+            assert got == single
+            stream = {**body, "prompt": PROMPTS[1], "max_tokens": 200, "stream": True}
+            with client.stream("POST", f"{url}/v1/completions", json=stream) as r:
+                lines = r.iter_lines()
+                assert r.status_code == 200 and next(lines).startswith("data: ")
+                os.kill(pids[0], signal.SIGKILL)
+                rest = "\n".join(lines)
+            assert re.search(r"worker rank 0 failed: process \d+ died during step \d+ \(killed by signal SIGKILL\)",
+                             rest), rest[-500:]
+            assert client.get(f"{url}/health").status_code == 503
+        assert_gone(pids)
+    finally:
+        engine.shutdown()
 
 
 # ----------------------------------------------------------------------------- SmolLM2
