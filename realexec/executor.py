@@ -56,22 +56,19 @@ class InOrderReplies:
     raises fails its own future; the next ones run (and raise the executor's error)."""
 
     def __init__(self, name: str):
-        self._queue: deque[tuple[Future, Callable[[], object], float]] = deque()
+        self._queue: deque[tuple[Future, Callable[[], object]]] = deque()
         self._cond = threading.Condition()
         self._closed = False
-        self.busy_time = 0.0              # seconds with at least one call out (overlaps counted once)
         self.num_outstanding = 0          # submitted, future not resolved yet
-        self._last_done = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, collect: Callable[[], object], started: float | None = None) -> Future:
-        """started: perf_counter() when the call began (encoding and sending count as busy)."""
-        future: Future = Future()
+    def submit(self, collect: Callable[[], object], future: Future | None = None) -> Future:
+        future = Future() if future is None else future
         with self._cond:
             if self._closed:
                 raise RuntimeError("the executor is shut down")
-            self._queue.append((future, collect, time.perf_counter() if started is None else started))
+            self._queue.append((future, collect))
             self.num_outstanding += 1
             self._cond.notify()
         return future
@@ -83,7 +80,7 @@ class InOrderReplies:
                     self._cond.wait()
                 if not self._queue:
                     return
-                future, collect, sent_at = self._queue.popleft()
+                future, collect = self._queue.popleft()
             try:
                 value = collect() if future.set_running_or_notify_cancel() else None
             except BaseException as e:        # noqa: BLE001 - handed to whoever waits on it
@@ -95,9 +92,6 @@ class InOrderReplies:
                     self.num_outstanding -= 1
                 if not future.cancelled():
                     future.set_result(value)
-            done = time.perf_counter()
-            self.busy_time += done - max(sent_at, self._last_done)
-            self._last_done = done
 
 
     def close(self) -> None:
@@ -106,6 +100,23 @@ class InOrderReplies:
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+
+class _WaitTimedFuture(Future):
+    """A step's Future that adds the time its caller blocks in result() to the executor's
+    execute_time: with batches in flight that wait, not the batch's lifetime, is what the
+    engine's step spends on the workers."""
+
+    def __init__(self, executor: "ExecutorBase"):
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout=None):
+        t0 = time.perf_counter()
+        try:
+            return super().result(timeout)
+        finally:
+            self._executor._execute_time += time.perf_counter() - t0
 
 
 class ExecutorBase:
@@ -118,6 +129,7 @@ class ExecutorBase:
         self.output_rank = self.layout.output_rank     # the rank whose reply carries the tokens
         self.num_steps = 0
         self.message_bytes = 0           # encoded step-message bytes sent (per rank), all steps
+        self._execute_time = 0.0
         self.builder = StepMessageBuilder()
         self.error: WorkerError | None = None
         self._submit_lock = threading.Lock()   # build + send + queue: one call at a time, in order
@@ -166,8 +178,10 @@ class ExecutorBase:
 
     @property
     def execute_time(self) -> float:
-        """Wall seconds with a step or RPC out at the workers (in-flight overlaps counted once)."""
-        return self._replies.busy_time if self._replies is not None else 0.0
+        """Seconds the engine spent on steps: building and sending them, and blocked waiting
+        for their results (with batches in flight the workers' time that overlaps the
+        engine's own work is not in it)."""
+        return self._execute_time
 
     def execute_model_async(self, scheduler_output) -> Future:
         """Send the step to every rank now; the Future resolves to its ModelRunnerOutput once
@@ -179,7 +193,9 @@ class ExecutorBase:
             msg = self.builder.build(scheduler_output)
             handle = self._send_step(msg)
             self.num_steps += 1
-            return self._replies.submit(lambda: self._collect(handle), t0)
+            future = self._replies.submit(lambda: self._collect(handle), _WaitTimedFuture(self))
+            self._execute_time += time.perf_counter() - t0
+            return future
 
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()
@@ -233,11 +249,6 @@ class UniprocExecutor(ExecutorBase):
                              f"mp or ray")
         self.driver = Worker(self.args, rank=0)
         self.workers = [self.driver]
-        self._execute_time = 0.0
-
-    @property
-    def execute_time(self) -> float:
-        return self._execute_time
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
         from realexec.worker import call_on_worker
