@@ -274,6 +274,18 @@ def test_each_stage_holds_its_layers_and_their_kv_only(mp_llm):
     assert mem[0]["weights"] == mem[1]["weights"] - 64 * 4       # the last stage also holds the final norm
 
 
+def test_sleep_level2_and_wake_reload_each_stage(mp_llm, reference):
+    """Level 2 drops every stage's weights and KV; wake-up reloads each stage's own layers
+    from the checkpoint; the workload's greedy tokens are unchanged."""
+    ex = mp_llm.engine.executor
+    held = ex.collective_rpc("memory_bytes")
+    assert mp_llm.sleep(2) == sum(m["weights"] + m["kv_cache"] for m in held)
+    assert all(m == {"weights": 0, "kv_cache": 0} for m in ex.collective_rpc("memory_bytes"))
+    mp_llm.wake_up()
+    assert ex.collective_rpc("memory_bytes") == held
+    assert run_pipelined(mp_llm)[0] == reference
+
+
 # ----------------------------------------------------------------------------- ray, TP x PP
 
 def test_pp2_ray_uneven_split_matches_single_rank_then_stage_kill(tiny, reference, ray_cluster):
