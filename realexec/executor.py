@@ -9,7 +9,7 @@ order. Three transports, one worker code path:
   * `MultiprocExecutor` (`mp`, realexec/mp_executor.py): one process per rank on this
     machine, the message encoded once and written to each rank's pipe;
   * `RayExecutor` (`ray`, realexec/ray_executor.py): one Ray actor per rank, the message
-    put once in Ray's object store.
+    inline with each actor call (or put once in Ray's object store when large).
 Ranks = pipeline stages x tensor-parallel ranks (realexec/parallel.py); only the output
 rank (the last stage's TP driver) returns sampled tokens.
 
@@ -65,6 +65,7 @@ class InOrderReplies:
 
     def submit(self, collect: Callable[[], object], future: Future | None = None) -> Future:
         future = Future() if future is None else future
+        future.set_running_or_notify_cancel()     # not cancellable: its reply must be read anyway
         with self._cond:
             if self._closed:
                 raise RuntimeError("the executor is shut down")
@@ -82,7 +83,7 @@ class InOrderReplies:
                     return
                 future, collect = self._queue.popleft()
             try:
-                value = collect() if future.set_running_or_notify_cancel() else None
+                value = collect()
             except BaseException as e:        # noqa: BLE001 - handed to whoever waits on it
                 with self._cond:
                     self.num_outstanding -= 1
@@ -90,9 +91,7 @@ class InOrderReplies:
             else:
                 with self._cond:
                     self.num_outstanding -= 1
-                if not future.cancelled():
-                    future.set_result(value)
-
+                future.set_result(value)
 
     def close(self) -> None:
         """No more calls; the reader collects those already queued (they fail fast once the

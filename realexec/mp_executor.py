@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import wait as wait_any
 
 from core.step_message import ModelRunnerOutput, StepMessage
@@ -120,6 +121,9 @@ class MultiprocExecutor(ExecutorBase):
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
+        # Replies read ahead of their call: a rank that answers a step only on error may
+        # answer an RPC sent after that step while the step is still being collected.
+        self._early: list[deque] = [deque() for _ in range(n)]
         self._replies = InOrderReplies("twinserve-mp-replies")
         self._tokenizer = load_engine_tokenizer(self.args)
 
@@ -145,7 +149,7 @@ class MultiprocExecutor(ExecutorBase):
         (the reader thread's job: one call at a time, in sending order)."""
         if self.error is not None:
             raise self.error
-        replies: dict[int, object] = {}
+        replies: dict[int, object] = {r: self._early[r].popleft() for r in ranks if self._early[r]}
         deadline = time.monotonic() + self.args.worker_timeout
         stale = min(STALE_HEARTBEAT_S, self.args.worker_timeout)
         by_conn = {c: r for r, c in enumerate(self.conns)}
@@ -169,7 +173,10 @@ class MultiprocExecutor(ExecutorBase):
                         # A peer's death makes the others' collectives fail: blame the dead one.
                         self._check_deaths(wait_any(list(by_sentinel), timeout=2.0), what)
                         raise self._fail(WorkerError(rank, f"raised during {what}: {value}"))
-                    replies[rank] = value
+                    if rank in ranks and rank not in replies:
+                        replies[rank] = value
+                    else:
+                        self._early[rank].append(value)       # a later call's reply
             now = time.monotonic()
             for rank in range(self.world_size if what not in STARTUP_CALLS else 0):
                 if now - self._beats[rank] > stale:

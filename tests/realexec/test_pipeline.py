@@ -258,6 +258,20 @@ def test_pp2_mp_matches_single_rank_with_two_batches_in_flight(mp_llm, reference
     assert preemptions > 0 and chunks > 0 and in_flight == 2
 
 
+def test_rpcs_between_steps_while_batches_are_in_flight(mp_llm, reference):
+    """An RPC sent while batches are out is answered after them, by every rank, and the
+    steps' replies still reach the right batches: the workload's tokens are unchanged."""
+    engine, ex = mp_llm.engine, mp_llm.engine.executor
+    ids = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS)]
+    final, rpcs_in_flight = {}, 0
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+        rpcs_in_flight += engine.core.num_in_flight > 0
+        assert ex.collective_rpc("ping") == [0, 1]
+    assert rpcs_in_flight > 3
+    assert tokens([final[i] for i in ids]) == reference
+
+
 def test_each_stage_holds_its_layers_and_their_kv_only(mp_llm):
     ex = mp_llm.engine.executor
     stages = ex.collective_rpc("stage")
