@@ -259,18 +259,27 @@ def test_pp2_mp_matches_single_rank_with_two_batches_in_flight(mp_llm, reference
     assert preemptions > 0 and chunks > 0 and in_flight == 2
 
 
-def test_rpcs_between_steps_while_batches_are_in_flight(mp_llm, reference):
+def test_rpcs_and_an_abort_while_batches_are_in_flight(mp_llm, reference):
     """An RPC sent while batches are out is answered after them, by every rank, and the
-    steps' replies still reach the right batches: the workload's tokens are unchanged."""
+    steps' replies still reach the right batches; a request aborted while in flight stops
+    (the core defers it until its batch returns) and the others' tokens are unchanged;
+    every stage ends up tracking exactly the sequences the engine believes it sent."""
     engine, ex = mp_llm.engine, mp_llm.engine.executor
     ids = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS)]
-    final, rpcs_in_flight = {}, 0
+    final, rpcs_in_flight, aborted = {}, 0, None
     while engine.has_unfinished_requests():
         final.update((o.request_id, o) for o in engine.step() if o.finished)
         rpcs_in_flight += engine.core.num_in_flight > 0
         assert ex.collective_rpc("ping") == [0, 1]
-    assert rpcs_in_flight > 3
-    assert tokens([final[i] for i in ids]) == reference
+        sched = engine.scheduler
+        flying = [rid for rid in ids[1:] if rid in sched.requests and sched._is_in_flight(sched.requests[rid])]
+        if aborted is None and flying:          # (the core's private check: only to pick the victim)
+            aborted = flying[0]
+            assert engine.abort_request(aborted)
+    assert rpcs_in_flight > 3 and aborted is not None and aborted not in final
+    kept = [i for i, rid in enumerate(ids) if rid != aborted]
+    assert tokens([final[ids[i]] for i in kept]) == [reference[i] for i in kept]
+    assert ex.collective_rpc("num_tracked_seqs") == [ex.builder.num_tracked_seqs] * 2
 
 
 def test_each_stage_holds_its_layers_and_their_kv_only(mp_llm):
