@@ -167,6 +167,11 @@ class RayExecutor(ExecutorBase):
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if not pending:
+                try:
+                    return ray.get(list(refs))       # the common case: one call, no per-rank look
+                except Exception:                    # noqa: BLE001 - which rank, and how: below
+                    pass
             failures = self._failures(refs, ready)
             if failures:
                 if pending and not any(died for _, died, _ in failures):
