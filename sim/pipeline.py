@@ -15,9 +15,9 @@ Memory. Each stage holds the KV of its layers only, with the same block ids on e
 stage; the engine's block count is the minimum over stages of what a rank of that stage
 affords after its weights (the first stage holds the embedding, the last the LM head).
 
-The loop. Stages and links are SimPy resources (capacity 1, FIFO), and every submitted
-batch is a SimPy process that walks them in order, so batch i on stage k overlaps batch
-i-1 on stage k+1. Which batches fly is the core's decision, not the simulator's: the
+The loop. Stages and links are FIFO servers of one batch at a time (`PipelineExecutor`:
+the recurrence SimPy resources of capacity 1 would follow), so batch i on stage k
+overlaps batch i-1 on stage k+1. Which batches fly is the core's decision, not the simulator's: the
 loop drives `core.EngineCore` (max_concurrent_batches = P) through `fill()` (schedule and
 submit while fewer than P fly) and `land_oldest()` (update with the oldest batch once its
 process has left the last stage); the scheduler's in-flight rule keeps a request out of a
@@ -163,47 +163,44 @@ def batch_shape(out: SchedulerOutput) -> BatchShape:
 
 
 class PipelineExecutor(SimExecutor):
-    """`execute_model_async`: each batch walks the stages (SimPy resources) as a process;
-    its future and its SimPy event complete when it leaves the last stage."""
+    """`execute_model_async` over P stages and P - 1 links, each a FIFO server that takes
+    one batch at a time: batch i starts stage k once it has crossed the link from stage
+    k - 1 and batch i - 1 has left stage k. Batches are submitted in order, so each one's
+    path is known when it is submitted (what SimPy resources of capacity 1 would give,
+    without a process per stage); its future and SimPy event complete when it leaves
+    the last stage."""
 
     def __init__(self, cost_model: PipelineCostModel, block_bytes: int, env: simpy.Environment, seed: int = 0):
         super().__init__(cost_model, block_bytes, seed=seed)
         self.pipeline = cost_model
         self.env = env
         pp = cost_model.layout.pp
-        self.stages = [simpy.Resource(env, capacity=1) for _ in range(pp)]
-        self.links = [simpy.Resource(env, capacity=1) for _ in range(pp - 1)]
+        self.stage_free = [0.0] * pp          # when each stage finishes the batches it was given
+        self.link_free = [0.0] * (pp - 1)
         self.stage_busy = [0.0] * pp          # seconds each stage computed (and swapped)
         self.link_busy = [0.0] * (pp - 1)
         self.done: deque[simpy.Event] = deque()   # per batch in flight, oldest first
 
     def execute_model_async(self, out: SchedulerOutput) -> Future:
-        future: Future = Future()
-        result = self.execute_model(out)          # tokens: a pure function of the (frozen) inputs
-        times = self.pipeline.stage_times(batch_shape(out)) if out.scheduled else [0.0] * len(self.stages)
+        times = self.pipeline.stage_times(batch_shape(out)) if out.scheduled else [0.0] * len(self.stage_free)
         if out.blocks_to_swap_out or out.blocks_to_swap_in:
-            swap = self._swaps(out)
+            swap = self._swaps(out)               # every stage swaps its own layers' blocks at once
             times = [t + swap for t in times]
         transfer = self.pipeline.transfer_time(out.num_batched_tokens) if out.scheduled else 0.0
-        done = self.env.event()
-        self.done.append(done)
-        self.env.process(self._walk(times, transfer, future, result, done))
-        return future
-
-    def _walk(self, times: list[float], transfer: float, future: Future, result, done: simpy.Event):
-        env, last = self.env, len(times) - 1
+        t = self.env.now
+        last = len(times) - 1
         for k, dt in enumerate(times):
-            with self.stages[k].request() as turn:
-                yield turn
-                yield env.timeout(dt)
-                self.stage_busy[k] += dt
+            start = self.stage_free[k] if self.stage_free[k] > t else t
+            t = self.stage_free[k] = start + dt
+            self.stage_busy[k] += dt
             if k < last:
-                with self.links[k].request() as turn:
-                    yield turn
-                    yield env.timeout(transfer)
-                    self.link_busy[k] += transfer
-        future.set_result(result)
-        done.succeed()
+                start = self.link_free[k] if self.link_free[k] > t else t
+                t = self.link_free[k] = start + transfer
+                self.link_busy[k] += transfer
+        future: Future = Future()
+        future.set_result(self.execute_model(out))    # tokens: a pure function of the (frozen) inputs
+        self.done.append(self.env.timeout(t - self.env.now))
+        return future
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -285,7 +282,7 @@ class PipelineSimEngine(SimEngine):
                 # Room in the pipeline: the next arrival may start a batch before the oldest lands.
                 t = self._next_event()
                 yield oldest | env.timeout(max(0.0, t - env.now))
-                if not oldest.processed and not oldest.triggered:
+                if not oldest.processed:
                     self._account_until(env.now, state, 0)
                     self.clock = max(self.clock, env.now, t)
                     continue

@@ -86,6 +86,45 @@ def test_kv_capacity_is_the_minimum_over_stages():
                         model.weight_bytes())
 
 
+def test_stages_and_links_serve_one_batch_at_a_time():
+    import simpy
+    from core import SchedulerOutput
+    from sim.pipeline import PipelineExecutor
+    model, hw = get_model("Llama-2-7B"), get_hardware("A100-80G")
+    # A slow link (0.1 GB/s), so that batches queue on it too.
+    layout = PipelineLayout.of(model, hw, tp=1, pp=2, link_gbps=0.1)
+    pipe = PipelineCostModel(model, hw, layout)
+    env = simpy.Environment()
+    ex = PipelineExecutor(pipe, 1, env)
+    ex.execute_model = lambda out: None        # tokens are not the point here
+    outs = []
+    for _ in range(3):
+        out = SchedulerOutput()
+        out.num_batched_tokens = 2048
+        outs.append(out)
+    shape = BatchShape(1, 2048, 0, 2048 * 2049 // 2)
+    s0, s1 = pipe.stage_times(shape)
+    x = pipe.transfer_time(2048)
+    assert x > s0 > 0                          # the link is the bottleneck here
+    from unittest import mock
+    with mock.patch("sim.pipeline.batch_shape", return_value=shape):
+        for out in outs:
+            out.scheduled = [object()]         # non-empty: priced as `shape`
+            ex.execute_model_async(out)
+    ends = []                                  # all submitted at t = 0
+    for done in list(ex.done):
+        env.run(until=done)
+        ends.append(env.now)
+    # batch i: leaves stage 0 at (i+1) s0; the link takes one at a time; then stage 1.
+    link_end, stage1_end, want = 0.0, 0.0, []
+    for i in range(3):
+        link_end = max((i + 1) * s0, link_end) + x
+        stage1_end = max(link_end, stage1_end) + s1
+        want.append(stage1_end)
+    assert [round(e, 12) for e in ends] == [round(w, 12) for w in want]
+    assert ex.stage_busy == [3 * s0, 3 * s1] and ex.link_busy == [3 * x]
+
+
 # -- the loop -------------------------------------------------------------------------------
 
 def test_p1_runs_exactly_as_before(sharegpt_200):
