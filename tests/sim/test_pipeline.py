@@ -209,3 +209,22 @@ def test_cli_pp_end_to_end_and_errors(tmp_path):
                        "--hardware", "A100-80G", "--tp", "4", "--out", str(tmp_path / "bad"), *args)
         assert proc.returncode != 0 and msg in proc.stderr, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_pp_vs_tp_figure_draws_every_layout(tmp_path, monkeypatch):
+    from plots import figures
+    drawn = []
+    save = figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, out: (drawn.append(fig), save(fig, out))[1])
+    rows = [{"layout": name, "rate": rate, "output_throughput": 100.0 * rate, "median_ttft": 0.05 * k,
+             "p90_ttft": 0.1 * k, "median_tpot": 0.02 * k, "p90_tpot": 0.03 * k}
+            for k, name in enumerate(("TP8", "TP4 x PP2", "PP8"), start=1) for rate in (2, 8)]
+    path = figures.pp_vs_tp(rows, tmp_path / "f.png", title="t")
+    assert path.stat().st_size > 10_000
+    throughput, ttft, tpot = drawn[0].axes
+    assert [line.get_label() for line in throughput.lines] == ["TP8", "TP4 x PP2", "PP8"]
+    def data(ax):
+        return [line for line in ax.lines if len(line.get_xdata())]
+    assert len(data(ttft)) == len(data(tpot)) == 6                        # p50 and p90 per layout
+    assert [round(v, 9) for v in tpot.lines[1].get_ydata()] == [30.0, 30.0]   # TP8 p90 TPOT in ms
+    assert ttft.get_yscale() == "log" and "p90" in [t.get_text() for t in ttft.get_legend().get_texts()]
