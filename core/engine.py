@@ -69,6 +69,11 @@ class EngineCore:
     def num_in_flight(self) -> int:
         return len(self._batches)
 
+    @property
+    def in_flight(self) -> list[SchedulerOutput]:
+        """The batches submitted and not yet landed, oldest first."""
+        return [out for out, _ in self._batches]
+
     def step(self) -> StepResult:
         if self.max_concurrent_batches == 1:
             out = self.scheduler.schedule(self.clock())
@@ -77,6 +82,15 @@ class EngineCore:
         return self._pipelined_step()
 
     def _pipelined_step(self) -> StepResult:
+        empty = self.fill()
+        return empty if empty is not None else self.land_oldest()
+
+    def fill(self) -> StepResult | None:
+        """Schedule and submit batches while fewer than P fly and the scheduler finds work.
+        If nothing flies and nothing could be scheduled, that was an empty step: it is
+        applied and its StepResult returned (as `step()` would); otherwise None.
+        (`step()` is fill + land_oldest; a driver that must not block, like the simulator,
+        calls them apart and lands the oldest once its future is done.)"""
         scheduler, batches = self.scheduler, self._batches
         while len(batches) < self.max_concurrent_batches:
             out = scheduler.schedule(self.clock())
@@ -85,13 +99,17 @@ class EngineCore:
                     return scheduler.update(out, _EMPTY, self.clock())
                 break                   # no batch: nothing new runs until the oldest returns
             batches.append((out, self.executor.execute_model_async(out)))
-        out, future = batches.popleft()
+        return None
+
+    def land_oldest(self) -> StepResult:
+        """Wait for the oldest batch in flight and update the scheduler with its output."""
+        out, future = self._batches.popleft()
         try:
             result = future.result()
         except BaseException:
-            batches.appendleft((out, future))   # the caller decides; the queue stays consistent
+            self._batches.appendleft((out, future))   # still in flight for the scheduler too
             raise
-        return scheduler.update(out, result, self.clock())
+        return self.scheduler.update(out, result, self.clock())
 
     def run_until_done(self, max_steps: int | None = None) -> list[Request]:
         """Step until every request has left the engine; returns them in finish order."""

@@ -15,9 +15,11 @@ request in a batch not yet updated is *in flight*: it is not scheduled again, ne
 preemption victim, and its blocks are never freed (an abort or an outside finish of it
 waits until its batch is updated). Budgets apply per batch; running sequence slots are
 `pipeline_parallel_size` x max_num_seqs so that every batch can be full. With one batch
-at a time nothing is ever in flight at `schedule()` and this costs nothing. A step's token accounting is vLLM v1's unified view: a sequence has
-`num_tokens` known tokens, `num_computed_tokens` of them in the cache, and a step
-computes a slice of the rest; it samples when that slice reaches the end.
+at a time nothing is ever in flight at `schedule()` and this costs nothing.
+
+A step's token accounting is vLLM v1's unified view: a sequence has `num_tokens` known
+tokens, `num_computed_tokens` of them in the cache, and a step computes a slice of the
+rest; it samples when that slice reaches the end.
 
 The core has no clock: callers pass `now` to stamp metrics.
 
@@ -280,7 +282,7 @@ class Scheduler:
                 self._admit(budget, out, now)
 
         out.blocks_to_copy = self.kv.drain_copies()
-        if in_flight is not None and out.is_empty:
+        if self._in_flight and out.is_empty:
             # Nothing new can run until an in-flight batch returns: this is no batch (the
             # caller neither executes nor updates it); its finished ids go with the next one.
             self._finished_ids = out.finished_request_ids + self._finished_ids

@@ -2,13 +2,18 @@
 EngineCore batch queue, with the deterministic async toy executor."""
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
+from hypothesis import event, strategies as st
+from hypothesis.stateful import initialize, invariant, rule
 
 from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler, \
     SchedulerConfig
 from core.config import pipeline_stage_layers
 from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from policies import PolicySet
+from tests.core.test_scheduler import SETUP, SchedulerMachine
 from tests.core.toy_executor import AsyncToyExecutor, ToyExecutor, reference_outputs
 
 
@@ -169,3 +174,85 @@ def test_stage_layers_and_pipeline_kv_capacity():
     per_layer = kv_blocks_per_rank(gib, num_layers=1, **args)
     assert kv_blocks_per_pipeline(gib, stage_layers=[4, 3, 3], **args) == kv_blocks_per_rank(gib, num_layers=4, **args)
     assert kv_blocks_per_pipeline([gib, gib / 4], stage_layers=[2, 2], **args) == per_layer // 8
+
+
+# -- the scheduler machine with batches in flight ---------------------------------------------
+
+class PipelinedSchedulerMachine(SchedulerMachine):
+    """SchedulerMachine's load, budgets, FCFS, liveness and output equality (every request
+    ends with exactly the tokens of an unpreempted one-batch-at-a-time run), with up to
+    P = 2 or 3 batches in flight: rules schedule a new batch or update the oldest in any
+    interleaving, and aborts hit in-flight requests too. The teardown drains through
+    EngineCore's batch queue."""
+
+    @initialize(**SETUP, pp=st.integers(2, 3))
+    def setup(self, pp, **kw):
+        SchedulerMachine.setup(self, pp=pp, **kw)
+        self.pp = pp
+        self.flight: deque = deque()     # (out, {seq_id: block table at submission}), oldest first
+
+    step = None                          # replaced by the two rules below (not an engine step)
+
+    # (no preconditions: a rule with nothing to do is a no-op, which keeps every draw valid)
+    @rule()
+    def schedule_batch(self):
+        if len(self.flight) >= self.pp:
+            return
+        sched = self.sched
+        self.busy_before_step = bool(sched.running or sched.swapped)
+        before = sched.num_in_flight
+        out = sched.schedule()
+        if out.is_empty and self.flight:
+            assert sched.num_in_flight == before, "an empty output counted as a batch"
+            return
+        if out.is_empty:                 # nothing flies: an empty step, as with P = 1
+            self.finished.extend(sched.update(out, ModelRunnerOutput(token_ids={})).finished)
+            return
+        self.executor.free_during.append(sched.kv.stats().num_free_gpu_blocks)
+        self._check_step(out)
+        event(f"batches in flight={len(self.flight) + 1}")
+        self.flight.append((out, {s.seq_id: list(s.block_table) for s in out.scheduled}))
+
+    @rule()
+    def fill_pipeline(self):
+        """What EngineCore.step() does first: schedule until P fly or nothing is left."""
+        while len(self.flight) < self.pp:
+            before = len(self.flight)
+            self.schedule_batch()
+            if len(self.flight) == before:
+                break
+
+    @rule()
+    def update_oldest(self):
+        if not self.flight:
+            return
+        out, _ = self.flight.popleft()
+        result = ToyExecutor().execute_model(out)
+        self.finished.extend(self.sched.update(out, result).finished)
+
+    @invariant()
+    def in_flight_requests_are_untouched(self):
+        if not hasattr(self, "flight"):
+            return
+        assert self.sched.num_in_flight == len(self.flight)
+        seen: set[str] = set()
+        tables = self.sched.kv.tables
+        for out, snapshot in self.flight:
+            batch = {s.seq.request.request_id for s in out.scheduled}
+            assert not batch & seen, f"requests {batch & seen} are in two in-flight batches"
+            seen |= batch
+            for s in out.scheduled:
+                req = s.seq.request
+                # Never preempted, finished or freed while flying (an abort waits for the update).
+                assert req.status is RequestStatus.RUNNING and s.seq.status is RequestStatus.RUNNING, req
+                assert tables.get(s.seq_id) == snapshot[s.seq_id], f"{s.seq} lost or changed its blocks in flight"
+
+    def teardown(self):
+        if not hasattr(self, "flight"):
+            return
+        while self.flight:
+            self.update_oldest()
+        SchedulerMachine.teardown(self)
+
+
+TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase
