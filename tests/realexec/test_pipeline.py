@@ -271,9 +271,9 @@ def test_rpcs_and_an_abort_while_batches_are_in_flight(mp_llm, reference):
         final.update((o.request_id, o) for o in engine.step() if o.finished)
         rpcs_in_flight += engine.core.num_in_flight > 0
         assert ex.collective_rpc("ping") == [0, 1]
-        sched = engine.scheduler
-        flying = [rid for rid in ids[1:] if rid in sched.requests and sched._is_in_flight(sched.requests[rid])]
-        if aborted is None and flying:          # (the core's private check: only to pick the victim)
+        in_flight = {s.seq.request.request_id for out in engine.core.in_flight for s in out.scheduled}
+        flying = [rid for rid in ids[1:] if rid in in_flight]
+        if aborted is None and flying:
             aborted = flying[0]
             assert engine.abort_request(aborted)
     assert rpcs_in_flight > 3 and aborted is not None and aborted not in final
