@@ -10,6 +10,8 @@ A step is the core's three calls (schedule -> executor.execute_model -> update),
 for each request that got tokens: incremental detokenization of each sequence, stop-
 string checks (a match finishes the sequence through `scheduler.finish_sequence`), and
 one RequestOutput with the text so far and the delta since the previous step.
+With P pipeline stages the core keeps up to P batches in flight: a step sends new batches
+while fewer than P fly, then returns the outputs of the oldest.
 """
 from __future__ import annotations
 
@@ -116,10 +118,14 @@ class LLMEngine:
                                    watermark=args.watermark, prefix_caching_hash_algo=args.prefix_caching_hash_algo)
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                            max_model_len=self.max_model_len,
-                                           enable_chunked_prefill=args.enable_chunked_prefill)
+                                           enable_chunked_prefill=args.enable_chunked_prefill,
+                                           pipeline_parallel_size=args.pipeline_parallel_size)
         self.scheduler = Scheduler(scheduler_config, cache_config, PolicySet.from_names(**args.policy_names()))
         self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
-        self.core = EngineCore(self.scheduler, self.executor, clock=time.monotonic)
+        # With P pipeline stages, P batches in flight keep every stage busy (the core's batch
+        # queue; the executor sends each without waiting for the previous one's tokens).
+        self.core = EngineCore(self.scheduler, self.executor, clock=time.monotonic,
+                               max_concurrent_batches=args.pipeline_parallel_size)
 
         cfg = self.model_config
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -214,7 +220,9 @@ class LLMEngine:
         return self.core.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        """Requests not finished yet, or batches still in flight (e.g. holding a request
+        aborted meanwhile: stepping returns them and frees its blocks)."""
+        return bool(self._states) or self.core.num_in_flight > 0
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
