@@ -137,9 +137,19 @@ def run(args) -> int:
     from realexec.progress import busy
     with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):
         engine = LLMEngine(engine_args)
+    try:
+        return _run(args, engine, engine_args, trace)
+    finally:
+        engine.shutdown()                       # worker processes / Ray actors (mp, ray; TP, PP)
+
+
+def _run(args, engine, engine_args, trace) -> int:
+    from realexec.loader import resolve_dtype
+    from realexec.worker import resolve_device
+
     requests = fit_requests(args, trace, engine)
-    device = engine.executor.driver.device
-    dtype = engine.executor.driver.kv_dtype
+    device = resolve_device(engine_args.device)          # as the workers resolve it (their rank 0)
+    dtype = resolve_dtype(engine_args.dtype, device, engine.model_config)
     n = len(requests)
     print(f"model {engine_args.model or 'embedded SmolLM2-135M-Instruct'} | device {device} | dtype "
           f"{str(dtype).removeprefix('torch.')} | threads {torch.get_num_threads() if device.type == 'cpu' else '-'} "

@@ -48,6 +48,8 @@ COMMANDS: dict[str, Command | dict] = {
                          "realexec.bench_chaos:add_arguments", "realexec.bench_chaos:run"),
         "executors": Command("uni / mp / ray executors: step-message bytes, RPC overhead, tok/s; SmolLM2 TP=1 vs 3",
                              "realexec.bench_executors:add_arguments", "realexec.bench_executors:run"),
+        "pipeline": Command("pipeline parallelism: stage busy fraction and tok/s, 1 vs P batches in flight",
+                            "realexec.bench_pipeline:add_arguments", "realexec.bench_pipeline:run"),
         "kernels": Command("CUDA: Triton decode-attention bandwidth, and decode step graph vs eager",
                            "realexec.bench_graphs:add_kernels_arguments", "realexec.bench_graphs:run_kernels"),
     },
@@ -142,10 +144,13 @@ def run_generate(args) -> int:
 
     with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):   # bars only on a terminal
         llm = LLM(**{k: v for k, v in vars(engine_args).items()})
-    if args.chat:
-        (out,) = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=None)
-    else:
-        (out,) = llm.generate(args.prompt, params, use_tqdm=None)
+    try:
+        if args.chat:
+            (out,) = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=None)
+        else:
+            (out,) = llm.generate(args.prompt, params, use_tqdm=None)
+    finally:
+        llm.shutdown()                # worker processes / Ray actors stop now, not at exit
     many = len(out.outputs) > 1
     for c in out.outputs:
         if many:

@@ -63,9 +63,17 @@ class EngineArgs:
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (one worker each; must divide the query and KV heads)")
+    pipeline_parallel_size: int = _arg(
+        1, "pipeline stages: the decoder layers split into this many contiguous stages, each on "
+           "tensor-parallel-size ranks (world size = stages x tensor-parallel size); up to this many "
+           "batches are in flight at once")
+    pp_layer_partition: str | None = _arg(
+        None, "decoder layers per pipeline stage, comma-separated (e.g. 10,10,10: one positive entry per "
+              "stage, summing to the model's layer count; default: an even split, earlier stages take "
+              "the remainder)")
     distributed_executor_backend: str | None = _arg(
         None, "uni | mp | ray: one in-process worker, one process per rank, one Ray actor per rank "
-              "(default: uni at tensor-parallel-size 1, else mp)")
+              "(default: uni for one rank, else mp)")
     ray_address: str | None = _arg(None, "ray: address of an existing Ray cluster (default: start a local one)")
     ray_cpus_per_worker: float | None = _arg(
         None, "ray: CPUs each rank's placement-group bundle reserves (default: the cluster's CPUs / ranks, "
@@ -85,7 +93,7 @@ class EngineArgs:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {value}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_gpu_blocks", "cpu_threads", "tensor_parallel_size"):
+                     "num_gpu_blocks", "cpu_threads", "tensor_parallel_size", "pipeline_parallel_size"):
             positive(name)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory}")
@@ -94,9 +102,13 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         backend = self.executor_backend()
-        if backend == "uni" and self.tensor_parallel_size > 1:
+        if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
-                             f"{self.tensor_parallel_size} needs mp or ray")
+                             f"{self.tensor_parallel_size} x pipeline-parallel-size "
+                             f"{self.pipeline_parallel_size} needs mp or ray")
+        if self.step_log and self.pipeline_parallel_size > 1:
+            raise ValueError("step-log records one batch per step; with pipeline-parallel-size > 1 several "
+                             "batches are in flight: drop --step-log or use one stage")
         if self.ray_cpus_per_worker is not None and self.ray_cpus_per_worker <= 0:
             raise ValueError(f"ray-cpus-per-worker must be > 0, got {self.ray_cpus_per_worker}")
         if self.worker_timeout <= 0:
@@ -107,8 +119,13 @@ class EngineArgs:
         PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
         block_hasher(self.prefix_caching_hash_algo)
 
+    @property
+    def world_size(self) -> int:
+        """Ranks (workers): pipeline stages x tensor-parallel ranks per stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def executor_backend(self) -> str:
-        backend = self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "mp")
+        backend = self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
         if backend not in ("uni", "mp", "ray"):
             raise ValueError(f"distributed-executor-backend must be uni, mp or ray, got {backend!r}")
         return backend
@@ -139,7 +156,7 @@ _FIELD_TYPES = {
     "block_size": int, "max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
     "kv_cache_memory": float, "gpu_memory_utilization": float, "num_gpu_blocks": int, "swap_space": float,
     "watermark": float, "seed": int, "cpu_threads": int,
-    "tensor_parallel_size": int, "ray_cpus_per_worker": float, "worker_timeout": float,
+    "tensor_parallel_size": int, "pipeline_parallel_size": int, "ray_cpus_per_worker": float, "worker_timeout": float,
 }
 
 

@@ -10,6 +10,8 @@ A step is the core's three calls (schedule -> executor.execute_model -> update),
 for each request that got tokens: incremental detokenization of each sequence, stop-
 string checks (a match finishes the sequence through `scheduler.finish_sequence`), and
 one RequestOutput with the text so far and the delta since the previous step.
+With P pipeline stages the core keeps up to P batches in flight: a step sends new batches
+while fewer than P fly, then returns the outputs of the oldest.
 """
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ from dataclasses import dataclass, field, replace
 
 from core import (CacheConfig, EngineCore, InvalidRequestError, Request, RequestStatus, SamplingParams,
                   Scheduler, SchedulerConfig, Sequence)
+from core.config import default_max_model_len, default_max_num_batched_tokens
 from core.request import RequestMetrics
 from policies import PolicySet
 from realexec.config import EngineArgs
 from realexec.launch import make_executor
 
-DEFAULT_MAX_MODEL_LEN = 2048
-DEFAULT_MAX_BATCHED_TOKENS = 2048
+# CPU serving caps an unset max_model_len here (the model's own context can be far longer).
+MAX_MODEL_LEN_CAP = 2048
 
 
 @dataclass
@@ -108,18 +111,21 @@ class LLMEngine:
             raise ValueError("no memory left for the KV cache: raise --kv-cache-memory or "
                              "--gpu-memory-utilization")
         self.max_model_len = self._resolve_max_model_len(num_gpu_blocks)
-        max_batched = args.max_num_batched_tokens or (
-            DEFAULT_MAX_BATCHED_TOKENS if args.enable_chunked_prefill
-            else max(DEFAULT_MAX_BATCHED_TOKENS, self.max_model_len))
+        max_batched = args.max_num_batched_tokens or default_max_num_batched_tokens(
+            args.enable_chunked_prefill, self.max_model_len)
         cache_config = CacheConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=args.enable_prefix_caching,
                                    watermark=args.watermark, prefix_caching_hash_algo=args.prefix_caching_hash_algo)
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                            max_model_len=self.max_model_len,
-                                           enable_chunked_prefill=args.enable_chunked_prefill)
+                                           enable_chunked_prefill=args.enable_chunked_prefill,
+                                           pipeline_parallel_size=args.pipeline_parallel_size)
         self.scheduler = Scheduler(scheduler_config, cache_config, PolicySet.from_names(**args.policy_names()))
         self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
-        self.core = EngineCore(self.scheduler, self.executor, clock=time.monotonic)
+        # With P pipeline stages, P batches in flight keep every stage busy (the core's batch
+        # queue; the executor sends each without waiting for the previous one's tokens).
+        self.core = EngineCore(self.scheduler, self.executor, clock=time.monotonic,
+                               max_concurrent_batches=args.pipeline_parallel_size)
 
         cfg = self.model_config
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -141,10 +147,9 @@ class LLMEngine:
 
     def _resolve_max_model_len(self, num_gpu_blocks: int) -> int:
         model_max = self.model_config.max_position_embeddings
-        cache_max = num_gpu_blocks * self.args.block_size
         wanted = self.args.max_model_len
         if wanted is None:
-            return min(model_max, DEFAULT_MAX_MODEL_LEN, cache_max)
+            return default_max_model_len(model_max, num_gpu_blocks, self.args.block_size, cap=MAX_MODEL_LEN_CAP)
         if wanted > model_max:
             raise ValueError(f"max-model-len {wanted} exceeds the model's max_position_embeddings {model_max}")
         return wanted      # the scheduler config checks it against the cache, with a clear message
@@ -219,7 +224,9 @@ class LLMEngine:
         return self.core.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        """Requests not finished yet, or batches still in flight (e.g. holding a request
+        aborted meanwhile: stepping returns them and frees its blocks)."""
+        return bool(self._states) or self.core.num_in_flight > 0
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -10,15 +10,18 @@ from realexec.executor import ExecutorBase, UniprocExecutor
 
 
 def check_parallel_config(args: EngineArgs) -> None:
-    """Refuse a tensor-parallel degree the model cannot split, before any worker starts."""
+    """Refuse a tensor-parallel degree the model cannot split, or pipeline stages its layers
+    cannot fill, before any worker starts."""
     from realexec.loader import read_model_config
-    from realexec.parallel import check_tensor_parallel
-    check_tensor_parallel(read_model_config(args.model), args.tensor_parallel_size)
+    from realexec.parallel import check_tensor_parallel, stage_layer_ranges
+    cfg = read_model_config(args.model)
+    check_tensor_parallel(cfg, args.tensor_parallel_size)
+    stage_layer_ranges(cfg.num_hidden_layers, args.pipeline_parallel_size, args.pp_layer_partition)
 
 
 def make_executor(args: EngineArgs) -> ExecutorBase:
     backend = args.executor_backend()
-    if args.tensor_parallel_size > 1:
+    if args.world_size > 1 or args.pp_layer_partition:
         check_parallel_config(args)
     if backend == "uni":
         return UniprocExecutor(args)

@@ -66,16 +66,17 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, cfg: Mo
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
                device: str | torch.device = "cpu", *, attn_backend: str = "torch",
-               max_position: int | None = None, cache_dir: str | Path | None = None, tp=None,
+               max_position: int | None = None, cache_dir: str | Path | None = None, tp=None, pp=None,
                with_tokenizer: bool = True):
     """-> (model in eval mode, ModelConfig, tokenizer or None if the checkpoint has none).
 
     max_position caps the rotary table (default: the config's max_position_embeddings).
     tp: a realexec.parallel.TPGroup: load this rank's tensor-parallel shard.
+    pp: a realexec.parallel.PPGroup: build and load only this pipeline stage's part.
     """
     path = resolve_model_dir(model, cache_dir)
     return load_hf_dir(path, dtype, device, attn_backend=attn_backend, max_position=max_position, tp=tp,
-                       with_tokenizer=with_tokenizer)
+                       pp=pp, with_tokenizer=with_tokenizer)
 
 
 def resolve_model_dir(model: str | Path | None = None, cache_dir: str | Path | None = None) -> Path:
@@ -99,7 +100,7 @@ def read_model_config(model: str | Path | None = None) -> ModelConfig:
 
 
 def load_hf_dir(path: Path, dtype=None, device="cpu", *, attn_backend="torch", max_position=None, tp=None,
-                with_tokenizer: bool = True):
+                pp=None, with_tokenizer: bool = True):
     device = torch.device(device)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     dtype = resolve_dtype(dtype, device, cfg)
@@ -107,16 +108,19 @@ def load_hf_dir(path: Path, dtype=None, device="cpu", *, attn_backend="torch", m
     # allocate for real and fill from the checkpoint.
     with torch.device("meta"):
         model = get_model_class(cfg.architecture)(cfg, attn_backend=attn_backend, max_position=max_position,
-                                                  **({"tp": tp} if tp is not None else {}))
+                                                  **({"tp": tp} if tp is not None else {}),
+                                                  **({"pp": pp} if pp is not None else {}))
     model = model.to(dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_table()
-    model.load_weights(iter_safetensors(path))
+    model.load_weights(iter_safetensors(path, keep=getattr(model, "holds", None)))
     return model.eval(), cfg, load_tokenizer(path) if with_tokenizer else None
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, or of those `keep(name)` accepts (a
+    pipeline stage reads only its own layers)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -129,7 +133,8 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(path / name, framework="pt", device="cpu") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                if keep is None or keep(key):
+                    yield key, f.get_tensor(key)
 
 
 def load_tokenizer(path: Path):

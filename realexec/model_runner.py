@@ -15,6 +15,10 @@ flat batch. Inputs are built as plain Python lists and turned into tensors once 
 Logits are computed only for the last new row of each sequence that samples
 (num_samples > 0); mid-prefill chunks sample nothing. Under tensor parallelism every
 rank runs the forward and its share of the logits; only the driver (rank 0) samples.
+Under pipeline parallelism every stage builds the same inputs from the same message; a
+stage after the first takes the previous stage's hidden state instead of the embedding,
+a stage before the last hands its hidden state on and returns None: only the last
+stage's TP driver samples.
 """
 from __future__ import annotations
 
@@ -76,12 +80,13 @@ class SampleRow:
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_size: int, sampler: Sampler | None,
-                 tp_group=None):
+                 tp_group=None, pp_group=None):
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.sampler = sampler            # None on non-driver ranks
+        self.sampler = sampler            # None except on the last stage's TP driver
         self.tp_group = tp_group
+        self.pp_group = pp_group          # None: one stage
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.graph_runner = None       # a DecodeGraphRunner on CUDA (see worker), else None
         self.prepare_time = 0.0        # seconds spent building inputs (host side)
@@ -192,11 +197,22 @@ class ModelRunner:
         self.prepare_time += t1 - t0
         self.num_steps += 1
         graphs = self.graph_runner
+        pp = self.pp_group
         if graphs is not None and md.is_decode_only and md.num_seqs <= graphs.max_batch:
             hidden = graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables,
                                 md.seq_lens_cpu)
-        else:
+        elif pp is None or pp.size == 1:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
+        else:
+            received = None
+            if not pp.is_first:
+                received = pp.recv(input_ids.shape[0], self.model.config.hidden_size,
+                                   next(self.model.parameters()).dtype, self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, md, received)
+            if not pp.is_last:
+                pp.send(hidden)
+                self.forward_time += time.perf_counter() - t1
+                return None
         result = ModelRunnerOutput(token_ids={}) if self.sampler is not None else None
         if rows:
             if len(row_index) < hidden.shape[0]:

@@ -1,16 +1,20 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank on this machine.
+"""MultiprocExecutor: one worker process per rank (pipeline stage x tensor-parallel rank)
+on this machine.
 
     engine process                     rank 0 process        rank 1 process ...
     step message --encode once-->  pipe ----------------> pipe ---------------> ...
                                    Worker.execute_model   Worker.execute_model
                                         \\___ torch.distributed (gloo / NCCL) ___/
-    ModelRunnerOutput  <--- pipe --- rank 0 only (the driver samples)
+    ModelRunnerOutput  <--- pipe --- the output rank only (the last stage's TP driver samples)
 
 Transport: one duplex pipe per rank. Each step's message is encoded once (msgspec) and
 the same bytes are written to every rank's pipe; a reader blocks in the kernel until
 they arrive, which matters on a small machine where a polling shared-memory reader would
 take a core from the ranks that compute (measured: `python -m realexec bench executors`).
-Ranks other than the driver answer a step only when they fail.
+Ranks other than the output rank answer a step only when they fail. Sending never waits
+for a reply: with pipeline stages, the next step's message is already in stage 0's pipe
+while the last stage still works on this one; the executor's reader thread collects
+replies in sending order (realexec.executor.InOrderReplies).
 
 Faults: the engine waits on the driver's pipe, every pipe (a non-driver writes only to
 report an error) and every process sentinel. A process that exits is reported at once
@@ -28,16 +32,21 @@ import socket
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import wait as wait_any
 
 from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.config import EngineArgs
-from realexec.executor import ExecutorBase, WorkerError, load_engine_tokenizer
+from realexec.executor import ExecutorBase, InOrderReplies, WorkerError, load_engine_tokenizer
 from realexec.serialization import decode_step, dumps, encode_step, loads
 
 STEP, RPC, STOP = b"S", b"R", b"X"
 HEARTBEAT_S = 0.5
 STALE_HEARTBEAT_S = 15.0
+# Start-up calls wait for every rank to spawn and join the process group, partly inside
+# native calls that hold the GIL (the heartbeat thread cannot stamp): on a loaded machine
+# that takes longer than a stale heartbeat. `worker_timeout` bounds them instead.
+STARTUP_CALLS = ("init_device", "load_model")
 
 
 def free_port() -> int:
@@ -65,7 +74,7 @@ def _heartbeat(beats, rank: int) -> None:
 
 def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str, conn, beats) -> None:
     """The loop of one rank's process: read a request, run it, answer."""
-    from realexec.worker import Worker
+    from realexec.worker import Worker, call_on_worker
 
     threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
     worker = Worker(args, rank=rank, world_size=world_size, distributed_init_method=init_method,
@@ -83,11 +92,11 @@ def worker_main(args: EngineArgs, rank: int, world_size: int, init_method: str, 
         try:
             if kind == STEP:
                 result = worker.execute_model(decode_step(body))
-                if rank == 0:
+                if worker.is_output_rank:
                     conn.send_bytes(dumps(("ok", result)))
             else:
                 method, a, kw = loads(body)
-                conn.send_bytes(dumps(("ok", getattr(worker, method)(*a, **kw))))
+                conn.send_bytes(dumps(("ok", call_on_worker(worker, method, a, kw))))
         except BaseException as e:           # report, then keep serving (the engine decides)
             conn.send_bytes(dumps(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
 
@@ -112,6 +121,10 @@ class MultiprocExecutor(ExecutorBase):
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
+        # Replies read ahead of their call: a rank that answers a step only on error may
+        # answer an RPC sent after that step while the step is still being collected.
+        self._early: list[deque] = [deque() for _ in range(n)]
+        self._replies = InOrderReplies("twinserve-mp-replies")
         self._tokenizer = load_engine_tokenizer(self.args)
 
     @property
@@ -132,16 +145,22 @@ class MultiprocExecutor(ExecutorBase):
                                                    f"{describe_exit(self.procs[rank].exitcode)}")) from None
 
     def _await(self, ranks: list[int], what: str) -> dict[int, object]:
-        """Wait for one reply from each of `ranks`, watching every rank for errors and death."""
+        """Wait for one reply from each of `ranks`, watching every rank for errors and death
+        (the reader thread's job: one call at a time, in sending order)."""
         if self.error is not None:
             raise self.error
-        replies: dict[int, object] = {}
+        replies: dict[int, object] = {r: self._early[r].popleft() for r in ranks if self._early[r]}
         deadline = time.monotonic() + self.args.worker_timeout
         stale = min(STALE_HEARTBEAT_S, self.args.worker_timeout)
         by_conn = {c: r for r, c in enumerate(self.conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
         while len(replies) < len(ranks):
-            ready = wait_any(list(by_conn) + list(by_sentinel), timeout=1.0)
+            if self._closed:
+                raise self.error or WorkerError(None, f"the executor was shut down during {what}")
+            try:
+                ready = wait_any(list(by_conn) + list(by_sentinel), timeout=1.0)
+            except (OSError, ValueError):             # a pipe closed under us by shutdown
+                continue
             self._check_deaths(ready, what)
             for obj in ready:
                 if obj in by_conn:
@@ -154,9 +173,12 @@ class MultiprocExecutor(ExecutorBase):
                         # A peer's death makes the others' collectives fail: blame the dead one.
                         self._check_deaths(wait_any(list(by_sentinel), timeout=2.0), what)
                         raise self._fail(WorkerError(rank, f"raised during {what}: {value}"))
-                    replies[rank] = value
+                    if rank in ranks and rank not in replies:
+                        replies[rank] = value
+                    else:
+                        self._early[rank].append(value)       # a later call's reply
             now = time.monotonic()
-            for rank in range(self.world_size):
+            for rank in range(self.world_size if what not in STARTUP_CALLS else 0):
                 if now - self._beats[rank] > stale:
                     raise self._fail(WorkerError(rank, f"hung during {what}: no heartbeat for "
                                                        f"{now - self._beats[rank]:.0f} s"))
@@ -173,23 +195,26 @@ class MultiprocExecutor(ExecutorBase):
                 raise self._fail(WorkerError(rank, f"process {p.pid} died during {what} "
                                                    f"({describe_exit(p.exitcode)})"))
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        if self.error is not None:
-            raise self.error
-        self._broadcast(RPC + dumps((method, tuple(args), kwargs or {})))
-        replies = self._await(list(range(self.world_size)), method)
-        return [replies[r] for r in range(self.world_size)]
+    def _send_rpc(self, method, args: tuple, kwargs: dict):
+        self._broadcast(RPC + dumps((method, args, kwargs)))
+        return list(range(self.world_size)), getattr(method, "__name__", method), False
 
-    def _execute(self, msg: StepMessage) -> ModelRunnerOutput:
+    def _send_step(self, msg: StepMessage):
         data = STEP + encode_step(msg)
         self.message_bytes += len(data)
         self._broadcast(data)
-        return self._await([0], f"step {msg.step_id}")[0]
+        return [self.output_rank], f"step {msg.step_id}", True
+
+    def _collect(self, handle) -> ModelRunnerOutput | list:
+        ranks, what, is_step = handle
+        replies = self._await(ranks, what)
+        return replies[ranks[0]] if is_step else [replies[r] for r in ranks]
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._close_replies()
         if self.error is None:                  # healthy: ask politely; failed: no waiting
             for conn in self.conns:
                 try:

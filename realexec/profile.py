@@ -279,6 +279,9 @@ def run(args) -> int:
     if args.folds < 2:
         raise ValueError(f"--folds must be >= 2, got {args.folds}")
     engine_args = engine_args_from_namespace(args)
+    if engine_args.pipeline_parallel_size > 1:
+        raise ValueError("profile times one batch per step; with pipeline-parallel-size > 1 batches overlap "
+                         "(profile one stage's layers instead)")
     if engine_args.max_num_batched_tokens is None:
         engine_args.max_num_batched_tokens = QUICK_CHUNK if args.quick else FULL_CHUNK
     engine_args.validate()

@@ -1,4 +1,5 @@
-"""RayExecutor: one Ray actor per tensor-parallel rank, on a local or a multi-node cluster.
+"""RayExecutor: one Ray actor per rank (pipeline stage x tensor-parallel rank), on a local
+or a multi-node cluster.
 
 * Cluster: an existing one at `--ray-address` (e.g. `ray://head:10001` or `head:6379`),
   or, by default, a local one started here (bound to 127.0.0.1) and stopped at shutdown.
@@ -11,8 +12,17 @@
   thread). Bundles are packed (PACK), so ranks share a node when they can.
 * Rendezvous: rank 0's actor reports its node's IP and a free port; every rank joins the
   torch.distributed group there (gloo on CPU, NCCL on GPUs).
-* Steps: the encoded step message is put in the object store once; every actor gets the
-  same reference; the driver (rank 0) returns the sampled tokens, the others None.
+* Steps: the encoded step message goes inline with each actor call when small (decode
+  steps), else it is put in the object store once and every actor gets the same
+  reference (measured with `python -m realexec bench pipeline --backend ray`: the put
+  costs each step an extra fetch round trip, which idles the stages); the output rank (the last stage's TP driver) returns the sampled tokens,
+  the others None. Pipeline stages hand hidden states to each other over the same
+  torch.distributed group (point-to-point send/recv), not through Ray: no object-store
+  round trip per step and stage, and the engine stays out of the activations' path.
+* Order: with batches in flight several calls reach an actor before the first finishes,
+  and a threaded actor does not promise to run them in submission order; every call
+  carries a ticket (its submission number) and waits for its turn, so each rank applies
+  the step messages (deltas) and enters the stage-to-stage transfers in the same order.
 * Faults: a dead actor surfaces as RayActorError on its reference (named by rank); after
   `worker_timeout` without a result, the rank whose actor does not answer a liveness probe
   (served by a second actor thread) is named as hung; either way all actors are killed
@@ -26,18 +36,24 @@ from pathlib import Path
 
 from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.config import EngineArgs
-from realexec.executor import ExecutorBase, WorkerError, load_engine_tokenizer
+from realexec.executor import ExecutorBase, InOrderReplies, WorkerError, load_engine_tokenizer
 from realexec.serialization import decode_step, encode_step
 
 PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+# Step messages up to this size are passed by value (decode steps: a few hundred bytes);
+# a put object is fetched by each actor from the engine's store: one more round trip.
+INLINE_MESSAGE_BYTES = 64 * 1024
 
 
 class RayWorkerActor:
     """Wraps a Worker inside a Ray actor."""
 
     def __init__(self, args: EngineArgs, rank: int, world_size: int):
+        import threading
         self.args, self.rank, self.world_size = args, rank, world_size
         self.worker = None
+        self._turn = threading.Condition()
+        self._next_ticket = 0
 
     def node_ip_and_port(self) -> tuple[str, int]:
         import ray
@@ -51,16 +67,28 @@ class RayWorkerActor:
                              distributed_init_method=init_method, with_tokenizer=False)
         return os.getpid()
 
-    def execute(self, data: bytes):
-        return self.worker.execute_model(decode_step(data))
+    def _in_turn(self, ticket: int, fn):
+        """Run fn once every call with a smaller ticket has run."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._next_ticket == ticket)
+        try:
+            return fn()
+        finally:
+            with self._turn:
+                self._next_ticket += 1
+                self._turn.notify_all()
+
+    def execute(self, ticket: int, data: bytes):
+        return self._in_turn(ticket, lambda: self.worker.execute_model(decode_step(data)))
 
     def alive(self) -> int:
         """Answered from a second actor thread even while a step runs (or waits in a
         collective); a stopped or wedged process does not answer."""
         return self.rank
 
-    def rpc(self, method: str, args: tuple, kwargs: dict):
-        return getattr(self.worker, method)(*args, **kwargs)
+    def rpc(self, ticket: int, method, args: tuple, kwargs: dict):
+        from realexec.worker import call_on_worker
+        return self._in_turn(ticket, lambda: call_on_worker(self.worker, method, args, kwargs))
 
 
 def _free_port_on(ip: str) -> int:
@@ -85,6 +113,7 @@ class RayExecutor(ExecutorBase):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
+        self._ticket = 0
         self.actors, self.pg = [], None
         self._closed = False
         self._owns_ray = False
@@ -109,7 +138,9 @@ class RayExecutor(ExecutorBase):
                                    f"lower --ray-cpus-per-worker")
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [PROJECT_ROOT, os.environ.get("PYTHONPATH")])),
                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-            cls = ray.remote(max_concurrency=2)(RayWorkerActor)     # calls run in order; `alive` beside them
+            # Threads: the calls in flight (up to one step per stage, plus an RPC) waiting for
+            # their turn, and `alive` beside them.
+            cls = ray.remote(max_concurrency=self.layout.pp + 3)(RayWorkerActor)
             self.actors = [cls.options(num_cpus=cpus, num_gpus=1 if gpus else 0, runtime_env={"env_vars": env},
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
                                            placement_group=self.pg, placement_group_bundle_index=rank),
@@ -120,6 +151,7 @@ class RayExecutor(ExecutorBase):
         except BaseException:
             self.shutdown()
             raise
+        self._replies = InOrderReplies("twinserve-ray-replies")
         self._tokenizer = load_engine_tokenizer(self.args)
 
     @property
@@ -135,6 +167,11 @@ class RayExecutor(ExecutorBase):
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if not pending:
+                try:
+                    return ray.get(list(refs))       # the common case: one call, no per-rank look
+                except Exception:                    # noqa: BLE001 - which rank, and how: below
+                    pass
             failures = self._failures(refs, ready)
             if failures:
                 if pending and not any(died for _, died, _ in failures):
@@ -171,19 +208,34 @@ class RayExecutor(ExecutorBase):
                 out.append((refs.index(ref), isinstance(e, ray.exceptions.RayActorError), e))
         return out
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        return self._get([a.rpc.remote(method, tuple(args), kwargs or {}) for a in self.actors], method)
+    def _next_ticket(self) -> int:
+        ticket, self._ticket = self._ticket, self._ticket + 1
+        return ticket
 
-    def _execute(self, msg: StepMessage) -> ModelRunnerOutput:
+    def _send_rpc(self, method, args: tuple, kwargs: dict):
+        ticket = self._next_ticket()
+        refs = [a.rpc.remote(ticket, method, args, kwargs) for a in self.actors]
+        return refs, getattr(method, "__name__", method), None
+
+    def _send_step(self, msg: StepMessage):
         data = encode_step(msg)
         self.message_bytes += len(data)
-        ref = self._ray.put(data)
-        return self._get([a.execute.remote(ref) for a in self.actors], f"step {msg.step_id}")[0]
+        # A small message travels inline with each call (Ray copies arguments under its
+        # inline limit into the task itself); a large one is put in the object store once.
+        arg = data if len(data) <= INLINE_MESSAGE_BYTES else self._ray.put(data)
+        ticket = self._next_ticket()
+        return [a.execute.remote(ticket, arg) for a in self.actors], f"step {msg.step_id}", self.output_rank
+
+    def _collect(self, handle):
+        refs, what, rank = handle
+        values = self._get(refs, what)
+        return values if rank is None else values[rank]
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._close_replies()
         ray = self._ray
         for actor in self.actors:
             try:

@@ -3,7 +3,7 @@
 Rows are the sequences that sample this step (one logits row each). Per row, by the
 request's SamplingParams:
   * beam search: the top `num_samples` (= 2 * beam_width) tokens by log-softmax,
-    best first, with their logprobs (beam_step ranks them);
+    best first, with their logprobs (core.beam_search.plan_beam_step ranks them);
   * greedy (temperature 0): argmax, repeated `num_samples` times;
   * random: logits / temperature, top-k and top-p masks, then `num_samples`
     independent draws by the exponential-race trick (argmax of probs / Exp(1) noise).

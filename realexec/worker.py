@@ -1,4 +1,5 @@
-"""Worker: owns one device (one tensor-parallel rank), its weights and its paged KV cache.
+"""Worker: owns one device (one rank: a tensor-parallel shard of one pipeline stage), its
+weights and its paged KV cache (its stage's layers, its share of the KV heads).
 
 Lifecycle (driven by an executor through collective_rpc):
   init_device -> load_model -> determine_num_available_blocks -> initialize_cache
@@ -24,7 +25,7 @@ from realexec.config import EngineArgs
 from realexec.kernels.block_ops import copy_blocks, swap_blocks
 from realexec.loader import load_model
 from realexec.model_runner import ModelRunner
-from realexec.parallel import check_tensor_parallel, init_distributed
+from realexec.parallel import ParallelLayout, check_tensor_parallel, init_distributed, stage_layer_ranges
 from realexec.sampler import Sampler
 
 GiB = 1 << 30
@@ -113,7 +114,12 @@ class Worker:
         self.world_size = world_size
         self.local_rank = rank if local_rank is None else local_rank
         self.distributed_init_method = distributed_init_method
+        self.layout = ParallelLayout(args.pipeline_parallel_size, world_size // args.pipeline_parallel_size)
+        if self.layout.world_size != world_size:
+            raise ValueError(f"world size {world_size} is not a multiple of pipeline-parallel-size "
+                             f"{args.pipeline_parallel_size}")
         self.tp = None
+        self.pp = None
         self.device: torch.device | None = None
         self.model = None
         self.model_config = None
@@ -134,7 +140,16 @@ class Worker:
         else:
             torch.set_num_threads(self.args.cpu_threads)
         torch.manual_seed(self.args.seed)
-        self.tp = init_distributed(self.rank, self.world_size, self.distributed_init_method or "", self.device)
+        from realexec.loader import read_model_config
+        stages = stage_layer_ranges(read_model_config(self.args.model).num_hidden_layers, self.layout.pp,
+                                    self.args.pp_layer_partition)
+        self.tp, self.pp = init_distributed(self.rank, self.world_size, self.distributed_init_method or "",
+                                            self.device, self.layout, stages)
+
+    @property
+    def is_output_rank(self) -> bool:
+        """This rank samples and answers each step (the last stage's TP driver)."""
+        return self.rank == self.layout.output_rank
 
     def _backend(self):
         backend = self.args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
@@ -144,11 +159,11 @@ class Worker:
         """-> the ModelConfig (the tokenizer stays on the worker: `self.tokenizer`)."""
         args = self.args
         self.model, self.model_config, self.tokenizer = load_model(
-            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp,
+            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp, pp=self.pp,
             with_tokenizer=self.with_tokenizer)
-        check_tensor_parallel(self.model_config, self.world_size)
-        sampler = Sampler(self.device, args.seed) if self.tp.is_driver else None
-        self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp)
+        check_tensor_parallel(self.model_config, self.layout.tp)
+        sampler = Sampler(self.device, args.seed) if self.is_output_rank else None
+        self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp, self.pp)
         return self.model_config
 
     @property
@@ -157,13 +172,13 @@ class Worker:
 
     def _kv_geometry(self) -> dict:
         cfg = self.model_config
-        return dict(block_size=self.args.block_size, num_layers=cfg.num_hidden_layers,
+        return dict(block_size=self.args.block_size, num_layers=len(self.pp.layers),
                     num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                    dtype_bytes=torch.empty((), dtype=self.kv_dtype).element_size(), tp=self.world_size)
+                    dtype_bytes=torch.empty((), dtype=self.kv_dtype).element_size(), tp=self.layout.tp)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(GPU-pool blocks, CPU swap-pool blocks) this rank can hold (its own KV heads only);
-        the executor takes the minimum over ranks."""
+        """(GPU-pool blocks, CPU swap-pool blocks) this rank can hold (its stage's layers and its
+        own KV heads only); the executor takes the minimum over ranks, hence over stages."""
         if self.args.kv_cache_memory is not None:
             budget = self.args.kv_cache_memory * GiB
         elif self.device.type == "cuda":
@@ -205,8 +220,12 @@ class Worker:
             query_lens_cpu=lens, seq_lens_cpu=lens)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, positions, None, md)
-        logits = self.model.compute_logits(hidden[torch.tensor(starts[1:], device=dev) - 1])
+        received = None if self.pp.is_first else torch.zeros(
+            num_tokens, self.model_config.hidden_size, dtype=self.kv_dtype, device=dev)
+        hidden = self.model(ids, positions, None, md, received)
+        logits = None
+        if self.pp.is_last:
+            logits = self.model.compute_logits(hidden[torch.tensor(starts[1:], device=dev) - 1])
         if logits is not None:                      # None on non-driver tensor-parallel ranks
             logits.log_softmax(-1).topk(2, dim=-1)
         torch.cuda.synchronize()
@@ -217,27 +236,28 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         cfg = self.model_config
-        shape = (self.args.block_size, kv_heads_per_rank(cfg.num_key_value_heads, self.world_size), cfg.head_dim)
+        shape = (self.args.block_size, kv_heads_per_rank(cfg.num_key_value_heads, self.layout.tp), cfg.head_dim)
         dtype = self.kv_dtype
         self.gpu_cache = [
             (torch.zeros(num_gpu_blocks, *shape, dtype=dtype, device=self.device),
              torch.zeros(num_gpu_blocks, *shape, dtype=dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)]
+            for _ in self.pp.layers]                    # this stage's layers only
         # The swap pool is only read after a swap-out wrote it: no need to zero it.
         pin = self.device.type == "cuda"
         self.cpu_cache = [
             (torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin),
              torch.empty(num_cpu_blocks, *shape, dtype=dtype, pin_memory=pin))
-            for _ in range(cfg.num_hidden_layers)] if num_cpu_blocks else []
+            for _ in self.pp.layers] if num_cpu_blocks else []
         self.runner.kv_caches = self.gpu_cache
         self._cache_blocks = (num_gpu_blocks, num_cpu_blocks)
         self._maybe_capture_decode_graphs(num_gpu_blocks)
 
     def _maybe_capture_decode_graphs(self, num_gpu_blocks: int) -> None:
-        """On CUDA with a shape-only attention backend, decode replays captured graphs."""
+        """On CUDA with a shape-only attention backend, decode replays captured graphs (one
+        stage only: a captured graph cannot wait on another stage's hidden state)."""
         args, cfg = self.args, self.model_config
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        if self.device.type != "cuda" or args.enforce_eager or backend != "triton":
+        if self.device.type != "cuda" or args.enforce_eager or backend != "triton" or self.layout.pp > 1:
             return
         from realexec.cuda_graph import DecodeGraphRunner
         max_len = min(cfg.max_position_embeddings, num_gpu_blocks * args.block_size)
@@ -316,7 +336,7 @@ class Worker:
             return
         if self.sleep_level == 2:
             fresh, _, _ = load_model(self.args.model, self.args.dtype, self.device,
-                                     attn_backend=self._backend(), tp=self.tp, with_tokenizer=False)
+                                     attn_backend=self._backend(), tp=self.tp, pp=self.pp, with_tokenizer=False)
             sources = dict(fresh.named_parameters())
         else:
             sources = self._offloaded
@@ -344,7 +364,7 @@ class Worker:
     def get_timings(self) -> dict[str, float]:
         r = self.runner
         return {"prepare_s": r.prepare_time, "forward_s": r.forward_time, "execute_s": self.execute_time,
-                "steps": r.num_steps}
+                "steps": r.num_steps, "recv_wait_s": self.pp.recv_wait_s, "send_wait_s": self.pp.send_wait_s}
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in weights and in its device KV cache."""
@@ -357,3 +377,16 @@ class Worker:
 
     def ping(self) -> int:
         return self.rank
+
+    def stage(self) -> dict:
+        """Where this rank sits: its (pp, tp) coordinates and the global layers it holds."""
+        return {"rank": self.rank, "pp_rank": self.pp.rank, "tp_rank": self.tp.rank,
+                "layers": [self.pp.layers.start, self.pp.layers.stop],
+                "has_embedding": self.model.embed_tokens is not None, "has_head": self.pp.is_last}
+
+
+def call_on_worker(worker: Worker, method, args: tuple = (), kwargs: dict | None = None):
+    """What collective_rpc runs on each rank: a Worker method by name, or a function (picklable
+    by reference) called with the worker first, e.g. a benchmark's instrumentation."""
+    fn = getattr(worker, method) if isinstance(method, str) else (lambda *a, **k: method(worker, *a, **k))
+    return fn(*args, **(kwargs or {}))

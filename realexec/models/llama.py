@@ -11,6 +11,13 @@ intermediate/tp MLP columns; its KV cache holds only its KV heads), o_proj and d
 are row-parallel (partial sums, all-reduced, bias added once), the embedding and the LM
 head are vocab-parallel (each rank holds vocab/tp rows; embeddings all-reduced, logits
 gathered on the driver). `load_weights` cuts each rank's slice from the full checkpoint.
+
+Pipeline parallelism over a `PPGroup`: a stage builds only its decoder layers (a
+contiguous range; `layers[i]` is global layer `pp.layers.start + i`); the first stage
+also owns the embedding, the last the final norm and the LM head (for tied embeddings
+the last stage keeps its own copy of the embedding matrix as the head). `forward` takes
+the previous stage's hidden state instead of token ids on later stages and returns the
+un-normed hidden state on earlier ones. Checkpoint tensors of other stages are skipped.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, get_attention_backend
-from ..parallel import TPGroup
+from ..parallel import PPGroup, TPGroup
 from .config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -182,32 +189,41 @@ _STACKED = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_backend: str | object = "torch", max_position: int | None = None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, pp: PPGroup | None = None):
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or TPGroup()
+        self.pp = pp = pp or PPGroup(layers=range(cfg.num_hidden_layers))
         backend = get_attention_backend(attn_backend) if isinstance(attn_backend, str) else attn_backend
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        vocab = lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)  # noqa: E731
+        self.embed_tokens = vocab() if pp.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in pp.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
-        # Tied models have no lm_head: logits use the embedding matrix.
-        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # Tied models have no lm_head (logits use the embedding matrix), unless the
+        # embedding lives on another stage: then the last stage loads its own copy.
+        untied_head = not cfg.tie_word_embeddings or not pp.is_first
+        self.lm_head = vocab() if pp.is_last and untied_head else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final-norm hidden states [T, hidden]. kv_caches: one
-        (k_cache, v_cache) per layer, or None for a cache-less run over whole prompts."""
-        h = self.embed_tokens(input_ids)
+                kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]: final-norm on the last
+        stage, the residual stream to hand on elsewhere. Later stages start from the
+        previous stage's `hidden_states` (input_ids unused). kv_caches: one (k_cache,
+        v_cache) per layer of this stage, or None for a cache-less run over whole prompts."""
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_states
         cos, sin = self.rotary_emb(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_caches[i] if kv_caches is not None else None, attn_metadata)
-        return self.norm(h)
+        return self.norm(h) if self.norm is not None else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (usually one row per sequence) -> fp32 logits [N, vocab]
-        (under tensor parallelism: on the driver rank; None on the others)."""
+        (under tensor parallelism: on the driver rank; None on the others). Last stage only."""
+        if not self.pp.is_last:
+            raise RuntimeError(f"pipeline stage {self.pp.rank} has no LM head (only the last stage samples)")
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = self.tp.gather_last_dim(F.linear(hidden, weight).float())
         if logits is not None and logits.shape[-1] != self.config.vocab_size:
@@ -227,8 +243,8 @@ class LlamaForCausalLM(nn.Module):
                 expected[name] = 2
         seen: dict[str, set] = {}
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+            name = self._local_name(hf_name.removeprefix("model."))
+            if name is None:
                 continue
             parts = name.split(".")
             shard = None
@@ -251,6 +267,30 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n, count in expected.items() if len(seen.get(n, ())) != count]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def holds(self, hf_name: str) -> bool:
+        """Whether this rank keeps checkpoint tensor `hf_name` (the loader skips the others
+        without reading them)."""
+        return self._local_name(hf_name.removeprefix("model.")) is not None
+
+    def _local_name(self, name: str) -> str | None:
+        """A checkpoint name as this stage's parameter name (layers renumbered from the
+        stage's first); None for a tensor this stage does not hold."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            local = int(index) - self.pp.layers.start
+            return f"layers.{local}.{rest}" if 0 <= local < len(self.pp.layers) else None
+        if name == "embed_tokens.weight":
+            if self.embed_tokens is None and self.lm_head is not None and self.config.tie_word_embeddings:
+                return "lm_head.weight"            # the last stage's copy of a tied embedding
+            return name if self.embed_tokens is not None else None
+        if name == "lm_head.weight":
+            return name if self.lm_head is not None and not self.config.tie_word_embeddings else None
+        if name.startswith("norm."):
+            return name if self.norm is not None else None
+        return name
 
     def _shard(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
         """The rows of a fused parameter that hold one stacked projection (this rank's part)."""
