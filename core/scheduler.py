@@ -134,8 +134,9 @@ class Scheduler:
             return False
         if self._in_flight and self._is_in_flight(request):
             actions = self._deferred.setdefault(request, [])
-            if None in actions:
-                return False                      # already aborting
+            finishing = {action[0].seq_id for action in actions if action is not None}
+            if None in actions or all(seq.seq_id in finishing for seq in request.seqs):
+                return False                      # already aborting, or finishing (as if done)
             actions.append(None)
             return True
         if request.status is RequestStatus.WAITING:
@@ -152,12 +153,15 @@ class Scheduler:
         if seq.is_finished or request.is_finished:
             return
         if self._in_flight and self._is_in_flight(request):
-            self._deferred.setdefault(request, []).append((seq, status, detail))
+            actions = self._deferred.setdefault(request, [])
+            if None not in actions:               # (an abort already ends it)
+                actions.append((seq, status, detail))
             return
         seq.finish_reason_detail = detail
         self._finish_seq(seq, status)
         if not request.seqs:
             self._finish_request(request, status)
+            self._prune_running()
 
     def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status

@@ -13,7 +13,7 @@ from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestSta
 from core.config import pipeline_stage_layers
 from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from policies import PolicySet
-from tests.core.test_scheduler import SETUP, SchedulerMachine
+from tests.core.test_scheduler import EOS, MAX_MODEL_LEN, SETUP, SchedulerMachine
 from tests.core.toy_executor import AsyncToyExecutor, ToyExecutor, reference_outputs
 
 
@@ -230,6 +230,17 @@ class PipelinedSchedulerMachine(SchedulerMachine):
         result = ToyExecutor().execute_model(out)
         self.finished.extend(self.sched.update(out, result).finished)
 
+    @rule(data=st.data())
+    def stop_string(self, data):
+        """A detokenizer's stop-string match finishes one live sequence from outside; in
+        flight, that waits for its batch's update."""
+        live = [seq for r in self.sched.running if not r.params.beam_width for seq in r.seqs]
+        if not live:
+            return
+        seq = data.draw(st.sampled_from(live))
+        self.sched.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, "stop string")
+        self.stopped.add(seq.request.request_id)
+
     @invariant()
     def in_flight_requests_are_untouched(self):
         if not hasattr(self, "flight"):
@@ -253,6 +264,16 @@ class PipelinedSchedulerMachine(SchedulerMachine):
         while self.flight:
             self.update_oldest()
         SchedulerMachine.teardown(self)
+        for req in self.finished:
+            if req.request_id not in self.stopped or req.request_id in self.aborted:
+                continue
+            # Every sample stopped early or ran to its end: a prefix of an unpreempted run's output.
+            p = req.params
+            refs = reference_outputs(req.prompt_token_ids, p.max_tokens, p.n, EOS, p.ignore_eos, MAX_MODEL_LEN)
+            assert req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            for seq in req.finished_seqs:
+                out = seq.output_token_ids
+                assert any(ref[:len(out)] == out for ref in refs), f"{req.request_id}: {out} not a prefix of {refs}"
 
 
 TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase
