@@ -150,6 +150,18 @@ def test_threaded_executor_gives_the_same_tokens():
     assert outs[False] == outs[True]
 
 
+def test_no_event_skipping_while_batches_fly():
+    from core.event_skipping import steady_decode_horizon
+    engine, sched, ex = make(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(2):
+        add(engine, f"r{i}", [i + 1] * 3, max_tokens=20)
+    out = sched.schedule()
+    sched.update(out, ToyExecutor().execute_model(out))   # both prefilled, nothing flies: steady
+    assert steady_decode_horizon(sched) > 0
+    sched.schedule()                                      # now a batch flies: its requests have
+    assert steady_decode_horizon(sched) == 0              # nothing pending, so no span can start
+
+
 def test_pipelined_engine_needs_an_async_executor():
     sched = Scheduler(SchedulerConfig(max_model_len=32), CacheConfig(block_size=4, num_gpu_blocks=16), PolicySet())
     with pytest.raises(TypeError, match="execute_model_async"):
