@@ -4,16 +4,18 @@ Each `schedule()` builds one step's batch under a token budget and a sequence bu
   1. running requests, oldest first (decodes and continuing chunked prefills); when the
      pool is short, the victim policy picks a not-yet-scheduled running request to
      preempt (recompute: drop its KV; swap: copy it to the CPU pool);
-  2. if nothing was preempted: swapped requests are brought back (FCFS), then waiting
-     requests are admitted in queue-policy order, reusing cached prefix blocks.
+  2. if nothing was preempted (nor waits for a victim in flight): swapped requests are
+     brought back (FCFS), then waiting requests are admitted in queue-policy order,
+     reusing cached prefix blocks.
 `update()` applies the sampled tokens: append, fork (n > 1, beam search), stop checks,
 finish and free.
 
 Batches in flight (pipeline parallelism): `schedule()` may be called again before the
 earlier outputs were `update()`d; `update()` then takes them oldest first (FIFO). A
 request in a batch not yet updated is *in flight*: it is not scheduled again, never a
-preemption victim, and its blocks are never freed (an abort or an outside finish of it
-waits until its batch is updated). Budgets apply per batch; running sequence slots are
+preemption victim (a request whose victim would be one waits for that batch instead),
+and its blocks are never freed (an abort or an outside finish of it waits until its
+batch is updated). Budgets apply per batch; running sequence slots are
 `pipeline_parallel_size` x max_num_seqs so that every batch can be full. With one batch
 at a time nothing is ever in flight at `schedule()` and this costs nothing.
 
@@ -134,8 +136,9 @@ class Scheduler:
             return False
         if self._in_flight and self._is_in_flight(request):
             actions = self._deferred.setdefault(request, [])
-            if None in actions:
-                return False                      # already aborting
+            finishing = {action[0].seq_id for action in actions if action is not None}
+            if None in actions or all(seq.seq_id in finishing for seq in request.seqs):
+                return False                      # already aborting, or finishing (as if done)
             actions.append(None)
             return True
         if request.status is RequestStatus.WAITING:
@@ -152,12 +155,15 @@ class Scheduler:
         if seq.is_finished or request.is_finished:
             return
         if self._in_flight and self._is_in_flight(request):
-            self._deferred.setdefault(request, []).append((seq, status, detail))
+            actions = self._deferred.setdefault(request, [])
+            if None not in actions:               # (an abort already ends it)
+                actions.append((seq, status, detail))
             return
         seq.finish_reason_detail = detail
         self._finish_seq(seq, status)
         if not request.seqs:
             self._finish_request(request, status)
+            self._prune_running()
 
     def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
@@ -265,10 +271,15 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_group(plan):
-                candidates = running[i:] if in_flight is None else [r for r in running[i:] if r not in in_flight]
-                victim = self.policies.victim.select(candidates)
+                victim = self.policies.victim.select(running[i:])
+                preempted = True                # (either way: no admissions while a request lacks blocks)
+                if in_flight is not None and victim in in_flight:
+                    # The policy's victim is in flight: wait for its batch to land rather than
+                    # preempt another in its place (two requests alternating in flight would
+                    # otherwise keep preempting themselves: a livelock).
+                    i += 1
+                    break
                 self._preempt(victim, out, now)
-                preempted = True
                 if victim is request:
                     break
             else:

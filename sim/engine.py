@@ -43,7 +43,7 @@ import simpy
 
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
-from core.config import default_max_model_len, default_max_num_batched_tokens, pipeline_stage_layers
+from core.config import default_max_model_len, default_max_num_batched_tokens
 from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
 from core.metrics import RequestRecord
 from policies import PolicySet
@@ -124,6 +124,7 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     RooflineCostModel(model, hw, c.tp)         # validates tp against the model's heads
     layout = None
     if c.pp_layer_partition:
+        from core.config import pipeline_stage_layers
         pipeline_stage_layers(model.num_layers, c.pp, c.pp_layer_partition)     # names what is wrong
     if c.pp > 1:
         from sim.pipeline import PipelineLayout

@@ -13,7 +13,7 @@ from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestSta
 from core.config import pipeline_stage_layers
 from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from policies import PolicySet
-from tests.core.test_scheduler import SETUP, SchedulerMachine
+from tests.core.test_scheduler import EOS, MAX_MODEL_LEN, SETUP, SchedulerMachine
 from tests.core.toy_executor import AsyncToyExecutor, ToyExecutor, reference_outputs
 
 
@@ -125,6 +125,27 @@ def test_an_in_flight_request_is_never_preempted():
     assert sched.kv.gpu.num_used == 0
 
 
+def test_a_request_whose_victim_flies_waits_instead_of_preempting_itself():
+    """Found by the machine (>3,000 examples): when the only victims allowed were those not
+    in flight, groups re-prefilling in alternate batches kept preempting themselves (each
+    one's preferred victim was the other, always in flight) and the engine never drained."""
+    engine, sched, ex = make(max_num_seqs=3, max_num_batched_tokens=12, long_prefill_token_threshold=3,
+                             num_gpu_blocks=9, watermark=0.0, victim="least-computed")
+    for rid, prompt, n, max_tokens, priority in (
+            ("r0", [38, 23, 25, 20, 40, 37, 47, 25, 22], 3, 3, 2), ("r1", [3, 12, 31], 3, 9, 1),
+            ("r2", [35, 27, 12, 43, 3, 9, 17, 13, 7, 27, 15, 21, 28], 3, 11, 2), ("r3", [42, 4, 34, 3, 49], 2, 3, 2)):
+        engine.add_request(Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
+                                   priority=priority))
+    done = engine.run_until_done(3000)
+    assert sorted(r.request_id for r in done) == ["r0", "r1", "r2", "r3"] and sched.num_preemptions > 0
+    assert [r.request_id for r in done if r.status is RequestStatus.FINISHED_REJECTED] == ["r2"]   # 3 x 6 blocks > 9
+    for r in done:
+        if r.status is RequestStatus.FINISHED_REJECTED:
+            continue
+        want = reference_outputs(r.prompt_token_ids, r.params.max_tokens, r.params.n, None, True, 32)
+        assert sorted(s.output_token_ids for s in r.finished_seqs) == sorted(want)
+
+
 def test_stop_string_finish_of_an_in_flight_sequence_is_deferred():
     engine, sched, ex = make(max_num_batched_tokens=64)
     req = add(engine, "a", [1, 2, 3], max_tokens=10)
@@ -148,6 +169,18 @@ def test_threaded_executor_gives_the_same_tokens():
             ex.shutdown()
         outs[threaded] = [r.finished_seqs[0].output_token_ids for r in reqs]
     assert outs[False] == outs[True]
+
+
+def test_no_event_skipping_while_batches_fly():
+    from core.event_skipping import steady_decode_horizon
+    engine, sched, ex = make(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(2):
+        add(engine, f"r{i}", [i + 1] * 3, max_tokens=20)
+    out = sched.schedule()
+    sched.update(out, ToyExecutor().execute_model(out))   # both prefilled, nothing flies: steady
+    assert steady_decode_horizon(sched) > 0
+    sched.schedule()                                      # now a batch flies: its requests have
+    assert steady_decode_horizon(sched) == 0              # nothing pending, so no span can start
 
 
 def test_pipelined_engine_needs_an_async_executor():
@@ -230,6 +263,17 @@ class PipelinedSchedulerMachine(SchedulerMachine):
         result = ToyExecutor().execute_model(out)
         self.finished.extend(self.sched.update(out, result).finished)
 
+    @rule(data=st.data())
+    def stop_string(self, data):
+        """A detokenizer's stop-string match finishes one live sequence from outside; in
+        flight, that waits for its batch's update."""
+        live = [seq for r in self.sched.running if not r.params.beam_width for seq in r.seqs]
+        if not live:
+            return
+        seq = data.draw(st.sampled_from(live))
+        self.sched.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, "stop string")
+        self.stopped.add(seq.request.request_id)
+
     @invariant()
     def in_flight_requests_are_untouched(self):
         if not hasattr(self, "flight"):
@@ -253,6 +297,16 @@ class PipelinedSchedulerMachine(SchedulerMachine):
         while self.flight:
             self.update_oldest()
         SchedulerMachine.teardown(self)
+        for req in self.finished:
+            if req.request_id not in self.stopped or req.request_id in self.aborted:
+                continue
+            # Every sample stopped early or ran to its end: a prefix of an unpreempted run's output.
+            p = req.params
+            refs = reference_outputs(req.prompt_token_ids, p.max_tokens, p.n, EOS, p.ignore_eos, MAX_MODEL_LEN)
+            assert req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            for seq in req.finished_seqs:
+                out = seq.output_token_ids
+                assert any(ref[:len(out)] == out for ref in refs), f"{req.request_id}: {out} not a prefix of {refs}"
 
 
 TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase

@@ -117,6 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.engine = EngineCore(self.sched, self.executor, max_concurrent_batches=pp)
         self.requests: dict[str, Request] = {}
         self.aborted: set[str] = set()
+        self.stopped: set[str] = set()     # a sequence finished from outside (the pipelined machine)
         self.first_admitted: list[Request] = []
         self.finished: list[Request] = []
         self.n = 0
@@ -219,6 +220,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if req.request_id in self.aborted:
                 assert req.status is RequestStatus.FINISHED_ABORTED
                 continue
+            if req.request_id in self.stopped:
+                continue                   # checked by the machine that stopped it
             if req.status is RequestStatus.FINISHED_REJECTED:
                 assert req.reject_reason
                 continue
