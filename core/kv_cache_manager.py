@@ -13,11 +13,16 @@ Protocol with the scheduler, per step:
 """
 from __future__ import annotations
 
+from operator import itemgetter
+
 from core.block_hash import DEFAULT_HASH_ALGO, block_hasher
 from core.block_pool import BlockPool
 from core.kv_interface import KVCacheStats
 from core.policy_api import Evictor
 from core.request import Request, Sequence
+
+
+_step_and_index = itemgetter(0, 1)   # (step, batch index) of an advance_decodes allocation
 
 
 class SwapSpaceExhaustedError(RuntimeError):
@@ -283,24 +288,29 @@ class KVCacheManager:
     def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
         bs, gpu, tables = self.block_size, self.gpu, self.tables
         caching = self.enable_prefix_caching
+        if not caching:
+            # Only allocations. Step j gives a block to each sequence whose next block
+            # starts at position c + j, in batch order; a sequence with b blocks and c cached
+            # tokens takes them at steps b * bs - c, + bs, ... So the span's allocations in
+            # (step, batch index) order, handed out by one bulk allocate, get the same ids
+            # as the single steps' allocations (the free stack pops in the same order).
+            takers: list[tuple[int, int, list[int]]] = []
+            for i, seq in enumerate(seqs):
+                table = tables[seq.seq_id]
+                for j in range(len(table) * bs - seq.num_computed_tokens, num_steps, bs):
+                    takers.append((j, i, table))
+            if takers:
+                takers.sort(key=_step_and_index)
+                for (_, _, table), block in zip(takers, gpu.allocate(len(takers))):
+                    table.append(block)
+            return
         # Step j computes position c + j of each sequence: it needs a new block when that
         # position starts one, and publishes a block when c + j + 1 fills one.
         events: list[list[tuple[Sequence, bool]]] = [[] for _ in range(bs)]
         for seq in seqs:
             c = seq.num_computed_tokens
             events[(-c) % bs].append((seq, True))
-            if caching:
-                events[(-c - 1) % bs].append((seq, False))
-        if not caching:
-            # Only allocations: one bulk allocate per step hands out the same ids, in the
-            # same order, as the per-sequence allocations of a single step.
-            for j in range(num_steps):
-                needy = [tables[seq.seq_id] for seq, _ in events[j % bs]
-                         if len(tables[seq.seq_id]) * bs <= seq.num_computed_tokens + j]
-                if needy:
-                    for table, block in zip(needy, gpu.allocate(len(needy))):
-                        table.append(block)
-            return
+            events[(-c - 1) % bs].append((seq, False))
         order = {seq.seq_id: i for i, seq in enumerate(seqs)}
         for ev in events:
             ev.sort(key=lambda e: order[e[0].seq_id])

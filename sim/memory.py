@@ -140,20 +140,22 @@ class MemoryAccumulator:
         return breakdown, sharing
 
 
-def block_growth_steps(sched, block_size: int) -> tuple[list[int], dict[int, int]]:
+def block_growth_steps(sched, block_size: int, seqs=None) -> tuple[list[int], dict[int, int]]:
     """When the running sequences take new blocks during a steady decode span: a sequence
     with c cached tokens and a table of b blocks takes one at steps j0 = b * block_size - c,
     j0 + block_size, ... Returns (starts, late): starts[j] counts sequences with j0 = j <
     block_size (paged tables); late maps a j0 past the first block (a contiguous region
-    covers its sequence's whole life) to its count."""
+    covers its sequence's whole life) to its count. `seqs`: the running sequences in batch
+    order, when the caller has them (`core.event_skipping.SteadyDecode.seqs`)."""
     starts = [0] * block_size
     late: dict[int, int] = {}
     tables = sched.kv.tables
-    for request in sched.running:
-        for seq in request.seqs:
-            j0 = len(tables[seq.seq_id]) * block_size - seq.num_computed_tokens
-            if j0 < block_size:
-                starts[j0] += 1
-            else:
-                late[j0] = late.get(j0, 0) + 1
+    if seqs is None:
+        seqs = [seq for request in sched.running for seq in request.seqs]
+    for seq in seqs:
+        j0 = len(tables[seq.seq_id]) * block_size - seq.num_computed_tokens
+        if j0 < block_size:
+            starts[j0] += 1
+        else:
+            late[j0] = late.get(j0, 0) + 1
     return starts, late
