@@ -97,26 +97,18 @@ def steady_decode_plan(sched: "Scheduler", through_finishes: bool = False) -> St
             seqs.append(seq)
             lefts.append(left)
             context_sum += c
-    if horizon <= 0 or len(seqs) > cfg.max_num_batched_tokens or kv.writes_into_shared_block(seqs):
-        return None                                   # (the last: the next step copies on write)
+    if horizon <= 0 or len(seqs) > cfg.max_num_batched_tokens:
+        return None
     if sched.swapped:
         if kv.can_swap_in(sched.swapped[0].seqs):
             return None
     elif len(sched.waiting) and sched.admits_next(cfg.max_num_batched_tokens - len(seqs)):
         return None
     free = kv.free_blocks(evicting=not (kv.enable_prefix_caching and len(sched.waiting) and not sched.swapped))
-    # Largest k whose block growth fits the free pool (growth is monotone in k).
-    if kv.blocks_to_grow(seqs, horizon) > free:
-        lo, hi = 0, horizon                           # growth(lo) fits, growth(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if kv.blocks_to_grow(seqs, mid) <= free:
-                lo = mid
-            else:
-                hi = mid
-        if lo == 0:
-            return None
-        horizon = lo
+    # Largest k whose block growth fits the free pool; 0 if the next step copies on write.
+    horizon = kv.decode_steps_fitting(seqs, horizon, free)
+    if horizon <= 0:
+        return None
     return SteadyDecode(horizon, seqs, lefts, context_sum, min(lefts))
 
 

@@ -285,6 +285,36 @@ class KVCacheManager:
         bs, tables = self.block_size, self.tables
         return sum(max(0, -(-(s.num_computed_tokens + num_steps) // bs) - len(tables[s.seq_id])) for s in seqs)
 
+    def decode_steps_fitting(self, seqs: list[Sequence], max_steps: int, free: int) -> int:
+        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+        # A sequence with c cached tokens and b blocks takes its next block at step
+        # j0 = b * bs - c, then every bs steps: k steps take ceil((k - j0) / bs) if k > j0.
+        firsts: list[int] = []
+        need = 0
+        for s in seqs:
+            table = tables[s.seq_id]
+            c = s.num_computed_tokens
+            if c % bs and ref[table[-1]] > 1:
+                return 0                                  # the next step copies on write
+            j0 = len(table) * bs - c
+            firsts.append(j0)
+            if j0 < max_steps:
+                need += (max_steps - j0 + bs - 1) // bs
+        if need <= free:
+            return max_steps
+
+        def growth(k: int) -> int:
+            return sum((k - j0 + bs - 1) // bs for j0 in firsts if j0 < k)
+
+        lo, hi = 0, max_steps                             # growth(lo) fits, growth(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if growth(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
         bs, gpu, tables = self.block_size, self.gpu, self.tables
         caching = self.enable_prefix_caching

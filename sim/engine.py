@@ -446,12 +446,12 @@ class SimEngine:
         """Apply one span of steady decode steps (the clock moves to its end); True when it
         ran to its horizon and sequences finished there (a next span may follow at once)."""
         sched = self.scheduler
-        plan = steady_decode_plan(sched, through_finishes=True)
-        if plan is None:
-            return False
         t = start = self.clock
         limit = self._next_event()
         if limit <= t:
+            return False
+        plan = steady_decode_plan(sched, through_finishes=True)
+        if plan is None:
             return False
         horizon, num_seqs, context_sum = plan.horizon, plan.num_seqs, plan.context_sum
         step_times = self.executor.decode_step_times
