@@ -470,7 +470,7 @@ class SimEngine:
         used = used0 = sched.kv.gpu.num_used
         # Each step's memory sample follows from the state before the span (sim.memory.SpanModel);
         # one loop adds it and the time-weighted counts to the integrals, in step order.
-        span_model = SpanModel(sched, num_seqs)
+        span_model = SpanModel(sched, num_seqs, starts, late)
         tok0, res0, ext, free0, logical0, total = (span_model.tok, span_model.res, span_model.ext, span_model.free,
                                                    span_model.logical, span_model.total)
         res_step = num_seqs if span_model.reserves else 0
@@ -483,35 +483,59 @@ class SimEngine:
         append = ends.append
         i = 0
         tok, res = tok0, res0
+        # Terms that are 0 throughout the span add nothing (x + 0.0 == x for these sums of
+        # non-negative products): the common case (paged, nothing waiting) skips them.
+        lean = not (waiting or swapped or res0 or res_step or ext)
+        g = used0 - logical0                           # logical blocks = used - g
         while True:
-            for dt in durations:
-                if t >= limit:
-                    break
-                if late and i in late:
-                    starts[i % bs] += late.pop(i)
-                used += starts[i % bs]
-                used_dt = used * dt
-                w_used += used_dt
-                w_run += running * dt
-                w_wait += waiting * dt
-                w_swap += swapped * dt
-                tok += num_seqs
-                res -= res_step
-                free = free0 - bs * (used - used0)
-                m0 += tok * dt
-                m1 += res * dt
-                m2 += (total - tok - res - ext - free) * dt
-                m3 += ext * dt
-                m4 += free * dt
-                m5 += used_dt
-                m6 += (logical0 + used - used0) * dt
-                t = t + dt
-                append(t)
-                i += 1
+            if lean:
+                for dt in durations:
+                    if t >= limit:
+                        break
+                    if late and i in late:
+                        starts[i % bs] += late.pop(i)
+                    used += starts[i % bs]
+                    used_dt = used * dt
+                    w_used += used_dt
+                    w_run += running * dt
+                    tok += num_seqs
+                    free = free0 - bs * (used - used0)
+                    m0 += tok * dt
+                    m2 += (total - tok - free) * dt
+                    m4 += free * dt
+                    m5 += used_dt
+                    m6 += (used - g) * dt
+                    t = t + dt
+                    append(t)
+                    i += 1
             else:
-                if i < horizon and t < limit:          # the estimate fell short: price more
-                    durations = step_times(num_seqs, context_sum + i * num_seqs, min(horizon - i, 64))
-                    continue
+                for dt in durations:
+                    if t >= limit:
+                        break
+                    if late and i in late:
+                        starts[i % bs] += late.pop(i)
+                    used += starts[i % bs]
+                    used_dt = used * dt
+                    w_used += used_dt
+                    w_run += running * dt
+                    w_wait += waiting * dt
+                    w_swap += swapped * dt
+                    tok += num_seqs
+                    res -= res_step
+                    free = free0 - bs * (used - used0)
+                    m0 += tok * dt
+                    m1 += res * dt
+                    m2 += (total - tok - res - ext - free) * dt
+                    m3 += ext * dt
+                    m4 += free * dt
+                    m5 += used_dt
+                    m6 += (used - g) * dt
+                    t = t + dt
+                    append(t)
+                    i += 1
+            if i < horizon and t < limit:      # every priced step started before the limit: price more
+                durations = step_times(num_seqs, context_sum + i * num_seqs, min(horizon - i, 64))
+                continue
             break
         k = i
         w[:] = (m0, m1, m2, m3, m4, m5, m6)

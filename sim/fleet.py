@@ -90,7 +90,7 @@ class Span:
         self.durations: list[float] = []
         self.ends: list[float] = []
         self.used: list[int] = []
-        self.model = SpanModel(sched, self._num_seqs)
+        self.model = SpanModel(sched, self._num_seqs, self._starts, self._late)
         self.counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
         self.done = 0            # steps already applied to the core
         self.cut: int | None = None

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from core.contiguous import ContiguousKVCacheManager
 from core.event_skipping import memory_breakdown
+from core.kv_cache_manager import KVCacheManager
 
 CATEGORIES = ("token_states", "reserved", "internal_frag", "external_frag")
 
@@ -55,8 +56,19 @@ class SpanModel:
 
     __slots__ = ("tok", "res", "internal", "ext", "free", "used", "logical", "n", "bs", "reserves", "total")
 
-    def __init__(self, scheduler, num_seqs: int):
-        tok, res, internal, ext, free, used, logical = sample(scheduler)
+    def __init__(self, scheduler, num_seqs: int, starts: list[int] | None = None, late: dict | None = None):
+        kv = scheduler.kv
+        if starts is not None and not late and type(kv) is KVCacheManager and num_seqs == len(scheduler.running):
+            # Paged, one sequence per request, tables covering their tokens exactly: a
+            # sequence's unfilled tail is the j0 of `block_growth_steps` (what
+            # KVCacheManager.memory_breakdown adds up), so the sample needs no second scan.
+            bs = kv.block_size
+            used = kv.gpu.num_used
+            internal = sum(j * count for j, count in enumerate(starts) if count)
+            tok, res, ext, free = used * bs - internal, 0, 0, kv.gpu.num_free * bs
+            logical = sum(map(len, kv.tables.values()))
+        else:
+            tok, res, internal, ext, free, used, logical = sample(scheduler)
         self.tok, self.res, self.internal, self.ext, self.free = tok, res, internal, ext, free
         self.used, self.logical, self.n = used, logical, num_seqs
         self.bs = scheduler.cache_config.block_size
