@@ -61,7 +61,7 @@ from traces import HashedBlockTokens, Trace
 # (no false prefix-cache hits); the shared tail is a slice of one list of small ints,
 # so building a prompt costs no per-token Python work. Never the EOS id (0).
 PROMPT_ID_BASE = 1 << 24
-_PROMPT_TAIL: list[int] = []
+_PROMPT_IDS: list[int] = []
 _REJECTED = RequestStatus.FINISHED_REJECTED
 # Re-derive the memory breakdown from the core after every skipped span and compare (an
 # O(running) self-check; on in the test suite, off by default for speed).
@@ -186,11 +186,11 @@ class SimResult:
 
 def synthetic_prompt(index: int, length: int) -> list[int]:
     """The prompt ids the simulator uses for trace request `index` when the trace has none."""
-    tail = _PROMPT_TAIL
-    if len(tail) < length:
-        tail.extend(range(len(tail) + 1, 2 * length + 1))
-    prompt = [PROMPT_ID_BASE + index]
-    prompt += tail[:length - 1]
+    ids = _PROMPT_IDS
+    if len(ids) < length:
+        ids.extend(range(len(ids), 2 * length))
+    prompt = ids[:length]                  # one copy: [0, 1, ..., length - 1]
+    prompt[0] = PROMPT_ID_BASE + index     # -> [PROMPT_ID_BASE + index, 1, ..., length - 1]
     return prompt
 
 
