@@ -323,17 +323,11 @@ class Replica(SimEngine):
         sched = self.scheduler
         running, waiting, swapped = span.counts
         durations, used_at = span.durations, span.used
-        mem_before = list(self.memory.w[:4])
-        span.model.accumulate(self.memory.w, durations, used_at, i0, k)
-        w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
-        for i in range(i0, k):
-            dt, used = durations[i], used_at[i]
-            w_used += used * dt
-            w_run += running * dt
-            w_wait += waiting * dt
-            w_swap += swapped * dt
-        piece_used = w_used - self._w_used
-        self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
+        mem_before = self.memory.w[:4]
+        tw = [self._w_used, self._w_running, self._w_waiting, self._w_swapped]
+        span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, i0, k)
+        piece_used = tw[0] - self._w_used
+        self._w_used, self._w_running, self._w_waiting, self._w_swapped = tw
         if used_at[k - 1] > self._max_used:
             self._max_used = used_at[k - 1]
         t0 = span.end_of(i0)

@@ -85,28 +85,56 @@ class SpanModel:
         return tok, res, internal, self.ext, free, used, self.logical + used - self.used
 
 
-    def accumulate(self, w: list[float], durations, used_at, i0: int, k: int) -> None:
-        """Add steps i0..k-1 of the span to the integrals `w` (MemoryAccumulator.w): the
-        same products, added in the same order, as `w += at(i, used_at[i]) * durations[i]`
-        step by step (bit-identical), without building a tuple per step."""
+    def accumulate(self, w: list[float], tw: list[float], counts: tuple[int, int, int], durations, used_at,
+                   i0: int, k: int) -> None:
+        """Add steps i0..k-1 of the span to the memory integrals `w` (MemoryAccumulator.w)
+        and to tw = [used, running, waiting, swapped] block/request-seconds: the same
+        products, added in the same order, as `w += at(i, used_at[i]) * durations[i]` (and
+        `tw += (used, *counts) * durations[i]`) step by step (bit-identical), without building
+        a tuple per step. Terms that stay 0 are skipped (x + 0.0 == x for these sums of
+        non-negative products)."""
         w0, w1, w2, w3, w4, w5, w6 = w
+        t_used, t_run, t_wait, t_swap = tw
+        running, waiting, swapped = counts
         n, bs, used0, ext = self.n, self.bs, self.used, self.ext
-        tok0, res0, free0, logical0, total = self.tok, self.res, self.free, self.logical, self.total
-        reserves = self.reserves
-        for i in range(i0, k):
-            dt, used = durations[i], used_at[i]
-            grown = (i + 1) * n
-            tok = tok0 + grown
-            res = res0 - grown if reserves else res0
-            free = free0 - bs * (used - used0)
-            w0 += tok * dt
-            w1 += res * dt
-            w2 += (total - tok - res - ext - free) * dt
-            w3 += ext * dt
-            w4 += free * dt
-            w5 += used * dt
-            w6 += (logical0 + used - used0) * dt
+        res0, free0, total = self.res, self.free, self.total
+        g = used0 - self.logical                          # logical blocks = used - g
+        tok = self.tok + i0 * n
+        res_step = n if self.reserves else 0
+        res = res0 - i0 * res_step
+        if not (waiting or swapped or res0 or res_step or ext):
+            for i in range(i0, k):
+                dt, used = durations[i], used_at[i]
+                used_dt = used * dt
+                t_used += used_dt
+                t_run += running * dt
+                tok += n
+                free = free0 - bs * (used - used0)
+                w0 += tok * dt
+                w2 += (total - tok - free) * dt
+                w4 += free * dt
+                w5 += used_dt
+                w6 += (used - g) * dt
+        else:
+            for i in range(i0, k):
+                dt, used = durations[i], used_at[i]
+                used_dt = used * dt
+                t_used += used_dt
+                t_run += running * dt
+                t_wait += waiting * dt
+                t_swap += swapped * dt
+                tok += n
+                res -= res_step
+                free = free0 - bs * (used - used0)
+                w0 += tok * dt
+                w1 += res * dt
+                w2 += (total - tok - res - ext - free) * dt
+                w3 += ext * dt
+                w4 += free * dt
+                w5 += used_dt
+                w6 += (used - g) * dt
         w[:] = (w0, w1, w2, w3, w4, w5, w6)
+        tw[:] = (t_used, t_run, t_wait, t_swap)
 
 
 class MemoryAccumulator:
