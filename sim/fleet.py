@@ -64,8 +64,11 @@ class FleetConfig:
         return self.replicas * self.replica.tp
 
 
-# Steps a replica plans when a span starts; a span that is not cut doubles its plan.
+# Steps a replica plans when a span starts: those that start before the fleet's next
+# arrival (nothing can cut the span earlier; the estimate as in sim.engine), at least
+# MIN_CHUNK, or FIRST_CHUNK when no arrival is left; a span that is not cut doubles its plan.
 FIRST_CHUNK = 32
+MIN_CHUNK = 8
 
 
 class Span:
@@ -292,7 +295,14 @@ class Replica(SimEngine):
                 return
             horizon = plan.horizon
             span = Span(self, plan)
-            span.extend(min(horizon, FIRST_CHUNK))
+            nxt = fleet.next_arrival()
+            if nxt == math.inf:
+                span.extend(min(horizon, FIRST_CHUNK))
+            else:
+                span.extend(1)
+                if horizon > 1:
+                    est = int((nxt - span.start) / span.durations[0]) + 2
+                    span.extend(min(horizon, max(MIN_CHUNK, est)) - 1)
             self._span = span
             while True:
                 try:
@@ -382,6 +392,10 @@ class Fleet:
             r.records = self.records         # replicas record into the fleet's list, trace order
 
     # -- coordination with replicas ---------------------------------------------------------
+    def next_arrival(self) -> float:
+        """Time of the next arrival still to be routed (inf when none is left)."""
+        return self.arrivals[self._next] if self._next < len(self.arrivals) else math.inf
+
     def arrival_pending(self, t: float) -> bool:
         """Is an arrival at or before t still to be routed?"""
         return self._next < len(self.arrivals) and self.arrivals[self._next] <= t
