@@ -1,9 +1,10 @@
 """The SimPy driver: the core's scheduler and block manager, a simulated clock.
 
-One engine process loops the core step (schedule -> SimExecutor -> update) and yields
-the step's modelled duration; an arrival process walks the trace in simulated time and
-wakes the engine when it is idle. Nothing of the scheduling logic lives here: every
-decision is the core's (`core.Scheduler`, `core.KVCacheManager`, `policies`).
+One engine process loops the core step (schedule -> SimExecutor -> update) on its own
+clock; an arrival process walks the trace in simulated time and wakes the engine when it
+is idle (SimPy's clock catches up with the engine's only then). Nothing of the scheduling
+logic lives here: every decision is the core's (`core.Scheduler`, `core.KVCacheManager`,
+`policies`).
 
 Clock. The engine keeps its own float clock, advanced exactly as `clock + dt` per step,
 and uses SimPy only to pace processes. Requests enter the scheduler at step
@@ -383,7 +384,7 @@ class SimEngine:
         self.clock = t
 
     def _engine_process(self):
-        env, sched, ex = self.env, self.scheduler, self.executor
+        sched, ex = self.scheduler, self.executor
         gpu = sched.kv.gpu
         arrivals, n_total = self.arrivals, len(self.arrivals)
         skipping = self.event_skipping
@@ -421,26 +422,25 @@ class SimEngine:
             mem_add(dt, mem)
             timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
                                out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            # No SimPy wait per step: nothing else runs while the engine is busy (arrivals
+            # enter at step boundaries by the engine's own clock), so SimPy's clock only
+            # catches up when the engine idles (`_idle_until`).
             end = clock + dt
-            yield env.timeout(max(0.0, end - env.now))
             self.clock = end
             self.num_steps += 1
             self.num_normal_steps += 1
             self._finish(update(out, result, end).finished)
             if skipping and sched.requests:
-                yield from self._skip()
+                self._skip()
             if pbar is not None and not (self.num_normal_steps & 1023):
                 pbar.set_postfix_str(f"sim {self.clock:,.0f}s", refresh=False)
 
-    def _skip(self):
+    def _skip(self) -> None:
         """Fast-forward through steady decode steps that start before the next event; a
         span may end with requests finishing (nothing waits), and then the next one starts
         without a normal step in between."""
-        start = self.clock
         while self._span() and self.scheduler.requests:
             pass
-        if self.clock > start:         # one SimPy wait for the chain (nothing else runs before the next event)
-            yield self.env.timeout(max(0.0, self.clock - self.env.now))
 
     def _span(self) -> bool:
         """Apply one span of steady decode steps (the clock moves to its end); True when it
