@@ -23,6 +23,34 @@ def default_max_model_len(model_max_len: int, num_gpu_blocks: int, block_size: i
     return length if cap is None else min(length, cap)
 
 
+def pipeline_stage_layers(num_layers: int, pp: int, partition: list[int] | str | None = None) -> list[int]:
+    """Decoder layers per pipeline stage, first stage first: contiguous, an even split by
+    default (the first `num_layers % pp` stages take one more), or `partition` (e.g.
+    "10,10,10" or [10, 10, 10]) when given. Raises ValueError naming what is wrong."""
+    if pp < 1:
+        raise ValueError(f"pipeline-parallel size must be >= 1, got {pp}")
+    if partition is None or partition == "":
+        if num_layers < pp:
+            raise ValueError(f"{num_layers} layers cannot be split over {pp} pipeline stages (each needs >= 1)")
+        base, extra = divmod(num_layers, pp)
+        return [base + (1 if i < extra else 0) for i in range(pp)]
+    if isinstance(partition, str):
+        try:
+            counts = [int(x) for x in partition.split(",")]
+        except ValueError:
+            raise ValueError(f"layer partition {partition!r}: expected comma-separated integers, e.g. "
+                             f"'10,10,10'") from None
+    else:
+        counts = [int(x) for x in partition]
+    if len(counts) != pp:
+        raise ValueError(f"layer partition {counts} has {len(counts)} stages; pipeline-parallel size is {pp}")
+    if any(c < 1 for c in counts):
+        raise ValueError(f"layer partition {counts}: every stage needs at least one layer")
+    if sum(counts) != num_layers:
+        raise ValueError(f"layer partition {counts} covers {sum(counts)} layers; the model has {num_layers}")
+    return counts
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -51,6 +79,9 @@ class SchedulerConfig:
     max_model_len: int = 2048            # prompt + output tokens of one sequence
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # >0: cap on one sequence's prefill chunk per step
+    # Pipeline stages P: up to P batches are in flight at once (see Scheduler). The budgets
+    # above apply per batch, so up to P * max_num_seqs sequences may be running.
+    pipeline_parallel_size: int = 1
 
     def validate(self, cache: CacheConfig) -> None:
         if self.max_num_seqs < 1:
@@ -59,6 +90,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:

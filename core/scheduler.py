@@ -7,9 +7,19 @@ Each `schedule()` builds one step's batch under a token budget and a sequence bu
   2. if nothing was preempted: swapped requests are brought back (FCFS), then waiting
      requests are admitted in queue-policy order, reusing cached prefix blocks.
 `update()` applies the sampled tokens: append, fork (n > 1, beam search), stop checks,
-finish and free. A step's token accounting is vLLM v1's unified view: a sequence has
-`num_tokens` known tokens, `num_computed_tokens` of them in the cache, and a step
-computes a slice of the rest; it samples when that slice reaches the end.
+finish and free.
+
+Batches in flight (pipeline parallelism): `schedule()` may be called again before the
+earlier outputs were `update()`d; `update()` then takes them oldest first (FIFO). A
+request in a batch not yet updated is *in flight*: it is not scheduled again, never a
+preemption victim, and its blocks are never freed (an abort or an outside finish of it
+waits until its batch is updated). Budgets apply per batch; running sequence slots are
+`pipeline_parallel_size` x max_num_seqs so that every batch can be full. With one batch
+at a time nothing is ever in flight at `schedule()` and this costs nothing.
+
+A step's token accounting is vLLM v1's unified view: a sequence has `num_tokens` known
+tokens, `num_computed_tokens` of them in the cache, and a step computes a slice of the
+rest; it samples when that slice reaches the end.
 
 The core has no clock: callers pass `now` to stamp metrics.
 
@@ -35,6 +45,22 @@ __all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "ModelRunnerOutput", 
 RUNNING = RequestStatus.RUNNING
 
 
+class _Batch:
+    """A scheduled output not yet updated, and (computed when first asked) its requests."""
+
+    __slots__ = ("out", "_requests")
+
+    def __init__(self, out: SchedulerOutput):
+        self.out = out
+        self._requests: set[Request] | None = None
+
+    @property
+    def requests(self) -> set[Request]:
+        if self._requests is None:
+            self._requests = {s.seq.request for s in self.out.scheduled}
+        return self._requests
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, policies: PolicyBundle):
         cache_config.validate()
@@ -54,6 +80,12 @@ class Scheduler:
         self._finished: list[Request] = []   # left the engine since the last update
         self._finished_ids: list[str] = []   # ... since the last schedule
         self._running_dirty = False
+        self._slot_limit = config.max_num_seqs * config.pipeline_parallel_size
+        self._no_flight: set[Request] | None = set() if config.pipeline_parallel_size > 1 else None
+        self._in_flight: deque[_Batch] = deque()   # scheduled, not yet updated; oldest first
+        # Aborts (None) and outside finishes (seq, status, detail) of in-flight requests,
+        # applied when their batch is updated.
+        self._deferred: dict[Request, list[tuple[Sequence, RequestStatus, str | None] | None]] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_steps = 0
@@ -95,10 +127,18 @@ class Scheduler:
         return None
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks. Call between steps."""
+        """Stop a request wherever it is and free its blocks. Call between steps. In flight:
+        it stops when its batch is updated (its blocks stay until then); True either way."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
+        if self._in_flight and self._is_in_flight(request):
+            actions = self._deferred.setdefault(request, [])
+            finishing = {action[0].seq_id for action in actions if action is not None}
+            if None in actions or all(seq.seq_id in finishing for seq in request.seqs):
+                return False                      # already aborting, or finishing (as if done)
+            actions.append(None)
+            return True
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.SWAPPED:
@@ -112,10 +152,16 @@ class Scheduler:
         request = seq.request
         if seq.is_finished or request.is_finished:
             return
+        if self._in_flight and self._is_in_flight(request):
+            actions = self._deferred.setdefault(request, [])
+            if None not in actions:               # (an abort already ends it)
+                actions.append((seq, status, detail))
+            return
         seq.finish_reason_detail = detail
         self._finish_seq(seq, status)
         if not request.seqs:
             self._finish_request(request, status)
+            self._prune_running()
 
     def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
@@ -150,6 +196,20 @@ class Scheduler:
         return bool(self._finished)
 
     @property
+    def num_in_flight(self) -> int:
+        """Batches scheduled and not yet updated."""
+        return len(self._in_flight)
+
+    def _is_in_flight(self, request: Request) -> bool:
+        return any(request in batch.requests for batch in self._in_flight)
+
+    def _in_flight_requests(self) -> set[Request]:
+        batches = self._in_flight
+        if len(batches) == 1:
+            return batches[0].requests
+        return set().union(*(batch.requests for batch in batches))
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
@@ -174,6 +234,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         running = self.running
         preempted = False
+        # Requests in flight are skipped, and with P > 1 a batch takes at most max_num_seqs of
+        # the P * max_num_seqs running slots. With P = 1 and one batch at a time neither
+        # check can bind, and the loop skips both (None).
+        in_flight = self._in_flight_requests() if self._in_flight else self._no_flight
+        seats = self.config.max_num_seqs        # sequences this batch may still take
 
         decode_table = self.kv.decode_table
         scheduled = out.scheduled
@@ -182,6 +247,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             seqs = request.seqs
+            if in_flight is not None and (request in in_flight or len(seqs) > seats - len(scheduled)):
+                i += 1
+                continue
             params = request.params
             if len(seqs) == 1 and not params.beam_width:
                 # Fast path: a single-sequence decode that the manager can take as is.
@@ -201,7 +269,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_group(plan):
-                victim = self.policies.victim.select(running[i:])
+                candidates = running[i:] if in_flight is None else [r for r in running[i:] if r not in in_flight]
+                victim = self.policies.victim.select(candidates)
                 self._preempt(victim, out, now)
                 preempted = True
                 if victim is request:
@@ -217,6 +286,13 @@ class Scheduler:
                 self._admit(budget, out, now)
 
         out.blocks_to_copy = self.kv.drain_copies()
+        if self._in_flight and out.is_empty:
+            # Nothing new can run until an in-flight batch returns: this is no batch (the
+            # caller neither executes nor updates it); its finished ids go with the next one.
+            self._finished_ids = out.finished_request_ids + self._finished_ids
+            out.finished_request_ids = []
+            return out
+        self._in_flight.append(_Batch(out))
         self.num_steps += 1
         return out
 
@@ -317,8 +393,11 @@ class Scheduler:
 
     def _swap_in(self, budget: int, out: SchedulerOutput, now: float) -> int:
         kv = self.kv
+        seats = self.config.max_num_seqs
         while self.swapped and budget > 0:
             request = self.swapped[0]
+            if len(out.scheduled) + len(request.seqs) > seats:
+                break
             if not kv.can_swap_in(request.seqs, keep_watermark=bool(self.running)):   # idle: see _try_admission
                 break
             self.swapped.popleft()
@@ -356,7 +435,7 @@ class Scheduler:
     def _try_admission(self, request: Request, budget: int):
         """(plan, hits) if the next admission of `request` fits now, else None (and the
         request's sequences are left as they were: nothing computed)."""
-        if self._seq_slots + request.params.num_seqs_max > self.config.max_num_seqs:
+        if self._seq_slots + request.params.num_seqs_max > self._slot_limit:
             return None
         plan, hits = self._admission_plan(request, budget)
         # The watermark keeps room for running sequences to grow; an idle engine has none to
@@ -383,8 +462,11 @@ class Scheduler:
     def _admit(self, budget: int, out: SchedulerOutput, now: float) -> None:
         kv, bs = self.kv, self.cache_config.block_size
         waiting = self.waiting
+        seats = self.config.max_num_seqs
         while len(waiting) and budget > 0:
             request = waiting.peek()
+            if len(out.scheduled) + len(request.seqs) > seats:
+                break
             admission = self._try_admission(request, budget)
             if admission is None:
                 break
@@ -416,6 +498,8 @@ class Scheduler:
 
     # -- applying a step's results ---------------------------------------------------------
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput, now: float = 0.0) -> StepResult:
+        if self._in_flight:
+            self._land(out)
         token_ids = result.token_ids
         logprobs = result.logprobs
         top = result.top_logprobs
@@ -481,6 +565,27 @@ class Scheduler:
             if not request.seqs and not request.is_finished:
                 self._finish_request(request, request.finished_seqs[-1].status)
         return StepResult(updated=updated, finished=self._end_step(now))
+
+    def _land(self, out: SchedulerOutput) -> None:
+        """`out` comes back: its requests leave flight (the oldest batch first, FIFO), and
+        aborts and finishes deferred while they flew apply now, before its tokens."""
+        batch = self._in_flight[0]
+        if batch.out is not out:
+            if out.is_empty and not any(b.out is out for b in self._in_flight):
+                return                  # an empty output schedule() did not count as a batch
+            raise RuntimeError("update() must take scheduled outputs in the order schedule() returned them "
+                               f"(oldest first); {len(self._in_flight)} batch(es) in flight")
+        self._in_flight.popleft()
+        if self._deferred:
+            for request in batch.requests:
+                actions = self._deferred.pop(request, None)
+                for action in actions or ():
+                    if request.is_finished:
+                        break
+                    if action is None:
+                        self._finish_request(request, RequestStatus.FINISHED_ABORTED)
+                    else:
+                        self.finish_sequence(*action)
 
     def finish_at_length(self, seqs: list[Sequence], updated: list[Request], now: float) -> list[Request]:
         """The end of a skipped decode span (core.event_skipping) whose last step brought

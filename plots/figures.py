@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")            # headless: CI and notebooks without a display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -288,5 +289,45 @@ def router_comparison(rows: Iterable[Mapping], out: str | Path, *, title: str = 
         ax.set_title(label, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     axes[0, 0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, out)
+
+
+def pp_vs_tp(rows: Iterable[Mapping], out: str | Path, *, title: str = "Pipeline vs tensor parallelism") -> Path:
+    """Three panels against the request rate, one line per parallel layout (`layout`, e.g.
+    "TP4 x PP2"): output throughput; TTFT and TPOT at p50 (solid) and p90 (dashed), on a
+    log axis (overloaded points run to seconds). Rows: `sim run` summaries plus `layout`
+    and `rate`."""
+    rows = list(rows)
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.0))
+    panels = (("output_throughput", None, "Output throughput (tok/s)", 1.0, False),
+              ("median_ttft", "p90_ttft", "TTFT (ms)", 1e3, True),
+              ("median_tpot", "p90_tpot", "TPOT (ms)", 1e3, True))
+    for ax, (p50, p90, label, scale, log) in zip(axes, panels):
+        for i, layout in enumerate(layouts):
+            pts = sorted((float(r["rate"]), r) for r in rows if r["layout"] == layout)
+            xs = [x for x, _ in pts]
+            style = series_style(i)
+            ax.plot(xs, [r[p50] * scale for _, r in pts], label=layout if p90 is None else f"{layout} p50",
+                    markersize=5, **style)
+            if p90 is not None:
+                ax.plot(xs, [r[p90] * scale for _, r in pts], linestyle="--", markersize=4,
+                        markerfacecolor="white", label=f"{layout} p90", **style)
+        ax.set_xlabel("Request rate (req/s)")
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+            plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+                lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
+        ax.grid(alpha=0.3, which="both" if log else "major")
+    axes[0].legend(fontsize=8, title="layout (8 GPUs)", title_fontsize=8)
+    axes[1].plot([], [], color="grey", label="p50")
+    axes[1].plot([], [], color="grey", linestyle="--", label="p90")
+    handles = axes[1].get_legend_handles_labels()
+    keep = [k for k, name in enumerate(handles[1]) if name in ("p50", "p90")]
+    axes[1].legend([handles[0][k] for k in keep], [handles[1][k] for k in keep], fontsize=8)
     fig.suptitle(title, fontsize=10)
     return _save(fig, out)

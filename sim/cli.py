@@ -192,6 +192,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     resolved = _resolve(_config(args))
     trace = _load(args, args.rate, resolved.scheduler.max_model_len)
     if args.replicas > 1 or args.router or args.disaggregate:
+        if resolved.config.pp > 1:
+            raise UsageError("--pp simulates one pipelined replica; fleets (--replicas, --router, --disaggregate) "
+                             "run one-stage replicas only")
         return _run_fleet(args, resolved, trace)
     if args.slo_ttft or args.slo_tpot:
         raise UsageError("--slo-ttft/--slo-tpot report a fleet's goodput: add --replicas, --router or --disaggregate")

@@ -83,11 +83,11 @@ def _names(kind: str) -> str:
 
 
 def _knob(default, help: str, *, group: str = "deployment", flag: str | None = None, old: str | None = None,
-          type=None, metavar: str | None = None, choices=None):
+          type=None, metavar: str | None = None, choices=None, alias: str | None = None):
     """A SimConfig field with its flag: `flag` (default: --field-name), its argparse `type`,
-    and `old`, a deprecated spelling kept as a hidden alias."""
+    `alias`, a short second spelling, and `old`, a deprecated spelling kept as a hidden alias."""
     return field(default=default, metadata={"help": help, "group": group, "flag": flag, "old": old, "type": type,
-                                            "metavar": metavar, "choices": choices})
+                                            "metavar": metavar, "choices": choices, "alias": alias})
 
 
 @dataclass
@@ -96,6 +96,15 @@ class SimConfig:
     model: str = _knob(DEFAULT_MODEL, f"model spec: {', '.join(MODELS)}", metavar="NAME")
     hardware: str = _knob(DEFAULT_HARDWARE, f"accelerator: {', '.join(HARDWARE)}", metavar="NAME")
     tp: int = _knob(1, "tensor-parallel degree", type=positive_int, metavar="N")
+    pp: int = _knob(1, "pipeline stages P: the decoder layers split over P x tp GPUs, up to P batches in flight "
+                       "(P > 1 runs every step one by one: no event skipping)", flag="--pipeline-parallel-size",
+                    alias="--pp", type=positive_int, metavar="P")
+    pp_layer_partition: str | None = _knob(None, "layers per pipeline stage, e.g. 40,40 (default: an even split, "
+                                                 "the first stages taking one more)", metavar="N,N,...")
+    pp_link_bandwidth: float | None = _knob(
+        None, "GB/s per direction between consecutive pipeline stages (default: --hardware's NVLink when the "
+              "P x tp GPUs fit one 8-GPU node, else 25 GB/s, a 200 Gb/s InfiniBand NIC per GPU)",
+        type=positive_float, metavar="GBPS")
     num_gpu_blocks: int | None = _knob(None, "KV blocks in the GPU pool (default: sized from memory like vLLM)",
                                        type=positive_int, metavar="N")
     gpu_memory_utilization: float = _knob(0.9, "fraction of GPU memory the engine may use", type=fraction,
@@ -171,7 +180,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
                 group.add_argument(meta["old"], dest=f.name, action=_Deprecated, new=f"--no-{flag[2:]}",
                                    value=not f.default, help=argparse.SUPPRESS)
             continue
-        group.add_argument(flag, dest=f.name, default=f.default, type=meta["type"] or str, metavar=meta["metavar"],
+        flags = (flag, meta["alias"]) if meta["alias"] else (flag,)
+        group.add_argument(*flags, dest=f.name, default=f.default, type=meta["type"] or str, metavar=meta["metavar"],
                            choices=meta["choices"], help=help)
         if meta["old"]:
             group.add_argument(meta["old"], dest=f.name, action=_Deprecated, new=flag, type=meta["type"] or str,

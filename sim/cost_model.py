@@ -159,6 +159,11 @@ class RooflineCostModel:
     new tokens, KV written for new tokens. Activations are left out: they are a few
     percent of decode traffic, and prefill is compute-bound anyway.
     TP: two ring all-reduces per layer of num_tokens * hidden values.
+
+    A pipeline stage (sim.pipeline) is priced by the same model over its own layers:
+    `num_layers` of them, the LM head only if `last_stage` (the input embedding is only
+    gathered, so the first stage streams no more than its layers; a tied LM head is
+    streamed by the last stage, which holds its own copy). The defaults are the whole model.
     """
 
     def __init__(
@@ -172,6 +177,9 @@ class RooflineCostModel:
         allreduce_latency_s: float = DEFAULT_ALLREDUCE_LATENCY_S,
         swap_efficiency: float = DEFAULT_SWAP_EFFICIENCY,
         swap_latency_s: float = DEFAULT_SWAP_LATENCY_S,
+        *,
+        num_layers: int | None = None,
+        last_stage: bool = True,
     ) -> None:
         check_tp(model, tp)
         for name, eff in [("compute_efficiency", compute_efficiency),
@@ -184,15 +192,20 @@ class RooflineCostModel:
         self.swap_latency_s = swap_latency_s
 
         # Per-rank coefficients, so a step is a handful of multiply-adds.
-        L = model.num_layers
+        L = model.num_layers if num_layers is None else num_layers
+        if L < 1:
+            raise ValueError(f"a stage needs at least one layer, got {L}")
+        self.num_layers = L
         self._flops_per_token = 2 * L * model.matmul_params_per_layer() / tp
-        self._flops_per_seq = 2 * model.lm_head_params() / tp
+        self._flops_per_seq = 2 * model.lm_head_params() / tp if last_stage else 0.0
         self._flops_per_pair = 4 * L * (model.num_heads // tp) * model.head_dim
-        gathered_only = model.learned_pos_embeddings * model.hidden_size
-        if not model.tie_embeddings:
-            gathered_only += model.vocab_size * model.hidden_size
-        self._weight_bytes = (model.num_params() - gathered_only) * model.dtype_bytes / tp
-        self._kv_bytes = kv_bytes_per_token_per_rank(model, tp)
+        # Streamed weights: the layers, and on the last stage the final norm and the LM head
+        # (for the whole model: every parameter but the gathered-only input embedding).
+        streamed = L * model.params_per_layer()
+        if last_stage:
+            streamed += (2 if model.linear_bias else 1) * model.hidden_size + model.lm_head_params()
+        self._weight_bytes = streamed * model.dtype_bytes / tp
+        self._kv_bytes = kv_block_bytes_per_rank(1, L, model.num_kv_heads, model.head_dim, model.dtype_bytes, tp)
         self._s_per_flop = 1.0 / (hw.peak_flops * compute_efficiency)
         self._s_per_byte = 1.0 / (hw.mem_bandwidth * memory_efficiency)
         self._s_per_swap_byte = 1.0 / (hw.pcie_bandwidth * swap_efficiency)

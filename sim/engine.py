@@ -99,7 +99,7 @@ class ResolvedConfig:
 def resolve(config: SimConfig) -> ResolvedConfig:
     """Look up specs and size the KV cache; raises ValueError on any bad setting."""
     c = config
-    for name in ("tp", "block_size", "max_num_seqs"):
+    for name in ("tp", "pp", "block_size", "max_num_seqs"):
         if getattr(c, name) < 1:
             raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
     if c.n < 1:
@@ -123,6 +123,16 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         raise ValueError(f"allocation {c.allocation} has no prefix cache (a contiguous region per sequence, "
                          f"nothing shared): drop --enable-prefix-caching or use --allocation paged")
     RooflineCostModel(model, hw, c.tp)         # validates tp against the model's heads
+    layout = None
+    if c.pp_layer_partition:
+        from core.config import pipeline_stage_layers
+        pipeline_stage_layers(model.num_layers, c.pp, c.pp_layer_partition)     # names what is wrong
+    if c.pp > 1:
+        from sim.pipeline import PipelineLayout
+        layout = PipelineLayout.of(model, hw, c.tp, c.pp, c.pp_layer_partition, c.pp_link_bandwidth)
+        if c.cost_model is not None:
+            raise ValueError("--cost-model prices a whole model on one GPU group; with --pp the roofline prices "
+                             "each stage: drop --cost-model or --pp")
     if c.cost_model is not None:
         FittedCostModel.from_file(c.cost_model, RooflineCostModel(model, hw, c.tp))   # fails early, naming the file
 
@@ -137,6 +147,13 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         if c.num_gpu_blocks < 1:
             raise ValueError(f"num-gpu-blocks must be >= 1, got {c.num_gpu_blocks}")
         num_gpu_blocks = c.num_gpu_blocks
+    elif layout is not None:
+        from sim.pipeline import pipeline_kv_capacity_blocks
+        num_gpu_blocks = pipeline_kv_capacity_blocks(model, hw, c.block_size, c.gpu_memory_utilization, layout,
+                                                     batched)
+        if num_gpu_blocks < 1:
+            raise ValueError(f"{model.name} on {layout.gpus}x {hw.name} (tp={c.tp}, pp={c.pp}) leaves no memory "
+                             f"for the KV cache at gpu-memory-utilization={c.gpu_memory_utilization}")
     else:
         num_gpu_blocks = kv_cache_capacity_blocks(model, hw, c.block_size, c.gpu_memory_utilization, c.tp,
                                                   max_num_batched_tokens=batched)
@@ -148,9 +165,13 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     if c.max_num_batched_tokens is None:
         batched = default_max_num_batched_tokens(c.enable_chunked_prefill, max_model_len)
     block_bytes = kv_block_bytes(model, c.block_size, c.tp)
+    if layout is not None:
+        from sim.pipeline import pipeline_block_bytes
+        block_bytes = pipeline_block_bytes(model, c.block_size, layout)
     num_cpu_blocks = int(c.swap_space_gib * GiB) // block_bytes
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched,
-                            max_model_len=max_model_len, enable_chunked_prefill=c.enable_chunked_prefill)
+                            max_model_len=max_model_len, enable_chunked_prefill=c.enable_chunked_prefill,
+                            pipeline_parallel_size=c.pp)
     cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         enable_prefix_caching=c.enable_prefix_caching, watermark=c.watermark)
     cache.validate()
@@ -177,6 +198,7 @@ class SimResult:
     timeseries: list[tuple] = field(repr=False, default_factory=list)
     memory_breakdown: dict = field(default_factory=dict)   # sim.memory: Figure 2 shares, slot-seconds
     kv_sharing: dict = field(default_factory=dict)         # sim.memory: physical vs logical blocks
+    pipeline: dict = field(default_factory=dict)           # sim.pipeline: stages, busy fractions (P > 1)
 
     # kv_usage: fraction of GPU blocks in use; the four breakdown columns: fraction of all
     # KV slots (a span's or idle gap's time mean). Rows hold blocks/slots until written.
@@ -612,4 +634,7 @@ class SimEngine:
 def simulate(config: SimConfig | ResolvedConfig, trace: Trace, *, progress: bool = False) -> SimResult:
     """Run `trace` on the deployment `config` and return the result."""
     resolved = config if isinstance(config, ResolvedConfig) else resolve(config)
+    if resolved.config.pp > 1:
+        from sim.pipeline import PipelineSimEngine
+        return PipelineSimEngine(resolved, trace, progress=progress).run()
     return SimEngine(resolved, trace, progress=progress).run()

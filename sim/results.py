@@ -83,6 +83,8 @@ def build_summary(result: SimResult) -> dict:
     s.update(result.time_weighted)
     s["memory_breakdown"] = result.memory_breakdown
     s["kv_sharing"] = result.kv_sharing
+    if result.pipeline:
+        s["pipeline"] = result.pipeline
     s["trace"] = result.trace_source
     s["config"] = result.config.echo()
     return _clean(s)
@@ -117,8 +119,10 @@ def format_summary(summary: dict) -> str:
         v = summary.get(key)
         return "-" if v is None else f"{v * 1e3:,.1f}"
 
+    pp = c.get("pp", 1)
+    gpus = f"{c['tp']}x" if pp == 1 else f"{c['tp'] * pp}x (TP{c['tp']} x PP{pp})"
     lines = [
-        f"{c['model']} on {c['tp']}x {c['hardware']}: {c['num_gpu_blocks']:,} KV blocks of {c['block_size']} "
+        f"{c['model']} on {gpus} {c['hardware']}: {c['num_gpu_blocks']:,} KV blocks of {c['block_size']} "
         f"tokens, max_num_seqs={c['max_num_seqs']}, max_num_batched_tokens={c['max_num_batched_tokens']}, "
         f"policies {c.get('allocation', 'paged')}/{c['queue']}/{c['preemption']}/{c['victim']}"
         f"{'/prefix-cache ' + c['eviction'] if c['enable_prefix_caching'] else ''}",
@@ -136,6 +140,11 @@ def format_summary(summary: dict) -> str:
         f"KV cache     usage mean {summary['kv_usage_mean']:.1%}, max {summary['kv_usage_max']:.1%}; "
         f"preemptions {summary['num_preemptions']:,} (swaps {summary['num_swaps']:,}); "
         f"prefix hit rate {summary['prefix_cache_hit_rate']:.1%}")
+    pipe = summary.get("pipeline")
+    if pipe:
+        lines.append(f"pipeline     stages of {'/'.join(map(str, pipe['stage_layers']))} layers, busy "
+                     f"{' / '.join(f'{b:.0%}' for b in pipe['stage_busy'])}; "
+                     f"{pipe['batches_in_flight_mean']:.2f} batches in flight on average")
     shares = summary.get("memory_breakdown", {}).get("shares")
     if shares:
         lines.append(

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from policies import PolicySet
-from tests.core.toy_executor import VOCAB, ToyExecutor, reference_outputs
+from tests.core.toy_executor import VOCAB, AsyncToyExecutor, ToyExecutor, reference_outputs
 
 BS = 4
 MAX_MODEL_LEN = 32
@@ -65,7 +65,7 @@ class CheckedVictim:
         return chosen
 
 
-class WatermarkProbe(ToyExecutor):
+class WatermarkProbe(AsyncToyExecutor):
     """Records the free GPU blocks while each step runs (after schedule(), before update())."""
 
     def __init__(self, kv):
@@ -78,18 +78,23 @@ class WatermarkProbe(ToyExecutor):
         return super().execute_model(out)
 
 
+SETUP = dict(
+    max_num_seqs=st.integers(1, 8), budget=st.integers(4, 48), extra_blocks=st.integers(0, 10),
+    num_cpu=st.integers(0, 24), chunked=st.booleans(), caching=st.booleans(),
+    preemption=st.sampled_from(["recompute", "swap", "auto"]),
+    queue=st.sampled_from(["fcfs", "priority", "sjf", "lpm"]),
+    victim=st.sampled_from(["newest", "lowest-priority", "least-computed"]),
+    allocation=st.sampled_from(["paged", "paged", "paged", "orca-oracle", "orca-pow2", "orca-max"]),
+    long_prefill=st.sampled_from([0, 0, 3, 9]), watermark=st.sampled_from([0.0, 0.1, 0.25, 0.25]),
+)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(
-        max_num_seqs=st.integers(1, 8), budget=st.integers(4, 48), extra_blocks=st.integers(0, 10),
-        num_cpu=st.integers(0, 24), chunked=st.booleans(), caching=st.booleans(),
-        preemption=st.sampled_from(["recompute", "swap", "auto"]),
-        queue=st.sampled_from(["fcfs", "priority", "sjf", "lpm"]),
-        victim=st.sampled_from(["newest", "lowest-priority", "least-computed"]),
-        allocation=st.sampled_from(["paged", "paged", "paged", "orca-oracle", "orca-pow2", "orca-max"]),
-        long_prefill=st.sampled_from([0, 0, 3, 9]), watermark=st.sampled_from([0.0, 0.1, 0.25, 0.25]),
-    )
+    """One batch at a time (pp = 1); tests/core/test_pipelined.py runs it with batches in flight."""
+
+    @initialize(**SETUP)
     def setup(self, max_num_seqs, budget, extra_blocks, num_cpu, chunked, caching, preemption, queue, victim,
-              allocation, long_prefill, watermark):
+              allocation, long_prefill, watermark, pp=1):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
             if long_prefill:
@@ -101,7 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 long_prefill = 0
         self.cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=chunked,
-                                   long_prefill_token_threshold=long_prefill)
+                                   long_prefill_token_threshold=long_prefill, pipeline_parallel_size=pp)
         self.cache = CacheConfig(block_size=BS, num_gpu_blocks=MAX_MODEL_LEN // BS + extra_blocks,
                                  num_cpu_blocks=num_cpu, enable_prefix_caching=caching, watermark=watermark)
         self.victim, self.queue = victim, queue
@@ -109,9 +114,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         policies.victim = self.checked_victim = CheckedVictim(victim)
         self.sched = Scheduler(self.cfg, self.cache, policies)
         self.executor = WatermarkProbe(self.sched.kv)
-        self.engine = EngineCore(self.sched, self.executor)
+        self.engine = EngineCore(self.sched, self.executor, max_concurrent_batches=pp)
         self.requests: dict[str, Request] = {}
         self.aborted: set[str] = set()
+        self.stopped: set[str] = set()     # a sequence finished from outside (the pipelined machine)
         self.first_admitted: list[Request] = []
         self.finished: list[Request] = []
         self.n = 0
@@ -171,7 +177,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         s = self.sched
         live = sum(len(r.seqs) for r in s.running)
-        assert live <= self.cfg.max_num_seqs
+        assert live <= self.cfg.max_num_seqs * self.cfg.pipeline_parallel_size
         _pool_consistent(s.kv)
         for r in s.running:
             assert r.status is RequestStatus.RUNNING
@@ -214,6 +220,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if req.request_id in self.aborted:
                 assert req.status is RequestStatus.FINISHED_ABORTED
                 continue
+            if req.request_id in self.stopped:
+                continue                   # checked by the machine that stopped it
             if req.status is RequestStatus.FINISHED_REJECTED:
                 assert req.reject_reason
                 continue
