@@ -4,16 +4,18 @@ Each `schedule()` builds one step's batch under a token budget and a sequence bu
   1. running requests, oldest first (decodes and continuing chunked prefills); when the
      pool is short, the victim policy picks a not-yet-scheduled running request to
      preempt (recompute: drop its KV; swap: copy it to the CPU pool);
-  2. if nothing was preempted: swapped requests are brought back (FCFS), then waiting
-     requests are admitted in queue-policy order, reusing cached prefix blocks.
+  2. if nothing was preempted (nor waits for a victim in flight): swapped requests are
+     brought back (FCFS), then waiting requests are admitted in queue-policy order,
+     reusing cached prefix blocks.
 `update()` applies the sampled tokens: append, fork (n > 1, beam search), stop checks,
 finish and free.
 
 Batches in flight (pipeline parallelism): `schedule()` may be called again before the
 earlier outputs were `update()`d; `update()` then takes them oldest first (FIFO). A
 request in a batch not yet updated is *in flight*: it is not scheduled again, never a
-preemption victim, and its blocks are never freed (an abort or an outside finish of it
-waits until its batch is updated). Budgets apply per batch; running sequence slots are
+preemption victim (a request whose victim would be one waits for that batch instead),
+and its blocks are never freed (an abort or an outside finish of it waits until its
+batch is updated). Budgets apply per batch; running sequence slots are
 `pipeline_parallel_size` x max_num_seqs so that every batch can be full. With one batch
 at a time nothing is ever in flight at `schedule()` and this costs nothing.
 
@@ -269,10 +271,15 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_group(plan):
-                candidates = running[i:] if in_flight is None else [r for r in running[i:] if r not in in_flight]
-                victim = self.policies.victim.select(candidates)
+                victim = self.policies.victim.select(running[i:])
+                preempted = True                # (either way: no admissions while a request lacks blocks)
+                if in_flight is not None and victim in in_flight:
+                    # The policy's victim is in flight: wait for its batch to land rather than
+                    # preempt another in its place (two requests alternating in flight would
+                    # otherwise keep preempting themselves: a livelock).
+                    i += 1
+                    break
                 self._preempt(victim, out, now)
-                preempted = True
                 if victim is request:
                     break
             else:

@@ -125,6 +125,27 @@ def test_an_in_flight_request_is_never_preempted():
     assert sched.kv.gpu.num_used == 0
 
 
+def test_a_request_whose_victim_flies_waits_instead_of_preempting_itself():
+    """Found by the machine (>3,000 examples): when the only victims allowed were those not
+    in flight, groups re-prefilling in alternate batches kept preempting themselves (each
+    one's preferred victim was the other, always in flight) and the engine never drained."""
+    engine, sched, ex = make(max_num_seqs=3, max_num_batched_tokens=12, long_prefill_token_threshold=3,
+                             num_gpu_blocks=9, watermark=0.0, victim="least-computed")
+    for rid, prompt, n, max_tokens, priority in (
+            ("r0", [38, 23, 25, 20, 40, 37, 47, 25, 22], 3, 3, 2), ("r1", [3, 12, 31], 3, 9, 1),
+            ("r2", [35, 27, 12, 43, 3, 9, 17, 13, 7, 27, 15, 21, 28], 3, 11, 2), ("r3", [42, 4, 34, 3, 49], 2, 3, 2)):
+        engine.add_request(Request(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
+                                   priority=priority))
+    done = engine.run_until_done(3000)
+    assert sorted(r.request_id for r in done) == ["r0", "r1", "r2", "r3"] and sched.num_preemptions > 0
+    assert [r.request_id for r in done if r.status is RequestStatus.FINISHED_REJECTED] == ["r2"]   # 3 x 6 blocks > 9
+    for r in done:
+        if r.status is RequestStatus.FINISHED_REJECTED:
+            continue
+        want = reference_outputs(r.prompt_token_ids, r.params.max_tokens, r.params.n, None, True, 32)
+        assert sorted(s.output_token_ids for s in r.finished_seqs) == sorted(want)
+
+
 def test_stop_string_finish_of_an_in_flight_sequence_is_deferred():
     engine, sched, ex = make(max_num_batched_tokens=64)
     req = add(engine, "a", [1, 2, 3], max_tokens=10)
