@@ -20,7 +20,12 @@ from tests.core.toy_executor import ToyExecutor, next_token
 
 # Prompts use token ids >= 50 (the toy executor generates ids < 50), so a decode never
 # publishes a block a waiting prompt could hit: the simulator's guarantee too (see
-# steady_decode_horizon). Shared prefixes make prefix caching (and LPM order) matter.
+# steady_decode_horizon). A request preempted by recompute waits with its generated
+# tokens, though, and the toy executor's tokens depend on the last 6 tokens only: two
+# requests with the same prompt generate the same blocks, so one's decode could publish a
+# block the other then hits (the simulator's tokens depend on the sequence, so it cannot).
+# `distinct` prompts end in a token of their own (chained hashes then keep every later
+# block apart). Shared prefixes make prefix caching (and LPM order) matter.
 PREFIXES = [[50, 51, 52, 53, 54, 55, 56, 57], [60] * 8, [61, 62, 63, 64], []]
 BS = 4
 
@@ -43,7 +48,7 @@ def workloads():
 
 
 def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blocks: int = 8,
-          through_finishes: bool = False, use_plan: bool = False):
+          through_finishes: bool = False, use_plan: bool = False, distinct: bool = False):
     """Run `workload` step by step, or (fast) with spans; use_plan: spans come from
     `steady_decode_plan` and are applied in two pieces through it (as a fleet replica cut
     short applies them), instead of `steady_decode_horizon` + a plan-less `fast_forward`."""
@@ -67,7 +72,7 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
     while i < len(arrivals) or sched.has_unfinished_requests():
         while i < len(arrivals) and arrivals[i][0] <= t:
             step, prefix, tail, max_tokens, n, priority = arrivals[i]
-            prompt = PREFIXES[prefix] + tail or [50]
+            prompt = PREFIXES[prefix] + tail + ([100 + i] if distinct else []) or [50]
             params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
             reqs.append(sched.add_request(Request(f"r{i}", prompt, params, priority=priority,
                                                   arrival_time=float(step))))
@@ -112,8 +117,9 @@ def test_fast_forward_matches_single_steps(workload, names, caching, blocks, thr
     while nothing waits: requests finishing at different steps, by max_tokens or by the
     model length limit, n = 1 and forked n = 2; spans applied whole, or from a
     `steady_decode_plan` in two pieces."""
-    slow = drive(workload, False, names, caching, blocks)
-    fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes, use_plan=use_plan)
+    slow = drive(workload, False, names, caching, blocks, distinct=True)
+    fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes, use_plan=use_plan,
+                 distinct=True)
     assert fast[0] == slow[0], names
     assert fast[2:5] == slow[2:5], names
 
