@@ -244,6 +244,16 @@ class ContiguousKVCacheManager:
     def free_blocks(self, evicting: bool = True) -> int:
         return self.gpu.num_free
 
+    def decode_steps_fitting(self, seqs: list[Sequence], max_steps: int, free: int) -> int:
+        """Regions never grow: as far as the fullest region lets every sequence go."""
+        slots = self.block_size
+        k = max_steps
+        for s in seqs:
+            room = len(self.tables[s.seq_id]) * slots - s.num_computed_tokens
+            if room < k:
+                k = room
+        return max(k, 0)
+
     def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
         """Nothing to allocate: the regions already cover the span (`blocks_to_grow` is 0)."""
 

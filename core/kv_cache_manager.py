@@ -13,11 +13,16 @@ Protocol with the scheduler, per step:
 """
 from __future__ import annotations
 
+from operator import itemgetter
+
 from core.block_hash import DEFAULT_HASH_ALGO, block_hasher
 from core.block_pool import BlockPool
 from core.kv_interface import KVCacheStats
 from core.policy_api import Evictor
 from core.request import Request, Sequence
+
+
+_step_and_index = itemgetter(0, 1)   # (step, batch index) of an advance_decodes allocation
 
 
 class SwapSpaceExhaustedError(RuntimeError):
@@ -280,27 +285,62 @@ class KVCacheManager:
         bs, tables = self.block_size, self.tables
         return sum(max(0, -(-(s.num_computed_tokens + num_steps) // bs) - len(tables[s.seq_id])) for s in seqs)
 
+    def decode_steps_fitting(self, seqs: list[Sequence], max_steps: int, free: int) -> int:
+        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+        # A sequence with c cached tokens and b blocks takes its next block at step
+        # j0 = b * bs - c, then every bs steps: k steps take ceil((k - j0) / bs) if k > j0.
+        firsts: list[int] = []
+        need = 0
+        for s in seqs:
+            table = tables[s.seq_id]
+            c = s.num_computed_tokens
+            if c % bs and ref[table[-1]] > 1:
+                return 0                                  # the next step copies on write
+            j0 = len(table) * bs - c
+            firsts.append(j0)
+            if j0 < max_steps:
+                need += (max_steps - j0 + bs - 1) // bs
+        if need <= free:
+            return max_steps
+
+        def growth(k: int) -> int:
+            return sum((k - j0 + bs - 1) // bs for j0 in firsts if j0 < k)
+
+        lo, hi = 0, max_steps                             # growth(lo) fits, growth(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if growth(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
         bs, gpu, tables = self.block_size, self.gpu, self.tables
         caching = self.enable_prefix_caching
+        if not caching:
+            # Only allocations. Step j gives a block to each sequence whose next block
+            # starts at position c + j, in batch order; a sequence with b blocks and c cached
+            # tokens takes them at steps b * bs - c, + bs, ... So the span's allocations in
+            # (step, batch index) order, handed out by one bulk allocate, get the same ids
+            # as the single steps' allocations (the free stack pops in the same order).
+            takers: list[tuple[int, int, list[int]]] = []
+            for i, seq in enumerate(seqs):
+                table = tables[seq.seq_id]
+                for j in range(len(table) * bs - seq.num_computed_tokens, num_steps, bs):
+                    takers.append((j, i, table))
+            if takers:
+                takers.sort(key=_step_and_index)
+                for (_, _, table), block in zip(takers, gpu.allocate(len(takers))):
+                    table.append(block)
+            return
         # Step j computes position c + j of each sequence: it needs a new block when that
         # position starts one, and publishes a block when c + j + 1 fills one.
         events: list[list[tuple[Sequence, bool]]] = [[] for _ in range(bs)]
         for seq in seqs:
             c = seq.num_computed_tokens
             events[(-c) % bs].append((seq, True))
-            if caching:
-                events[(-c - 1) % bs].append((seq, False))
-        if not caching:
-            # Only allocations: one bulk allocate per step hands out the same ids, in the
-            # same order, as the per-sequence allocations of a single step.
-            for j in range(num_steps):
-                needy = [tables[seq.seq_id] for seq, _ in events[j % bs]
-                         if len(tables[seq.seq_id]) * bs <= seq.num_computed_tokens + j]
-                if needy:
-                    for table, block in zip(needy, gpu.allocate(len(needy))):
-                        table.append(block)
-            return
+            events[(-c - 1) % bs].append((seq, False))
         order = {seq.seq_id: i for i, seq in enumerate(seqs)}
         for ev in events:
             ev.sort(key=lambda e: order[e[0].seq_id])

@@ -88,6 +88,10 @@ class KVManager(Protocol):
         """Blocks `num_steps` more decode tokens per sequence would take from the free pool."""
     def free_blocks(self, evicting: bool = True) -> int:
         """Blocks an allocation can take now; `evicting=False`: without evicting a cached block."""
+    def decode_steps_fitting(self, seqs: list["Sequence"], max_steps: int, free: int) -> int:
+        """The largest k <= max_steps such that k more decode tokens per sequence take at
+        most `free` blocks (`blocks_to_grow` is monotone in k); 0 if
+        `writes_into_shared_block(seqs)`. One pass where it can."""
     def advance_decodes(self, seqs: list["Sequence"], num_steps: int) -> None:
         """Allocate (and publish) for `num_steps` decode steps of `seqs` exactly as that many
         single steps would, in the same order. The caller advances num_computed_tokens."""

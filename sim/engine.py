@@ -1,9 +1,10 @@
 """The SimPy driver: the core's scheduler and block manager, a simulated clock.
 
-One engine process loops the core step (schedule -> SimExecutor -> update) and yields
-the step's modelled duration; an arrival process walks the trace in simulated time and
-wakes the engine when it is idle. Nothing of the scheduling logic lives here: every
-decision is the core's (`core.Scheduler`, `core.KVCacheManager`, `policies`).
+One engine process loops the core step (schedule -> SimExecutor -> update) on its own
+clock; an arrival process walks the trace in simulated time and wakes the engine when it
+is idle (SimPy's clock catches up with the engine's only then). Nothing of the scheduling
+logic lives here: every decision is the core's (`core.Scheduler`, `core.KVCacheManager`,
+`policies`).
 
 Clock. The engine keeps its own float clock, advanced exactly as `clock + dt` per step,
 and uses SimPy only to pace processes. Requests enter the scheduler at step
@@ -44,7 +45,7 @@ import simpy
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
 from core.config import default_max_model_len, default_max_num_batched_tokens
-from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
+from core.event_skipping import fast_forward, steady_decode_plan
 from core.metrics import RequestRecord
 from policies import PolicySet
 from sim.config import SimConfig
@@ -61,7 +62,7 @@ from traces import HashedBlockTokens, Trace
 # (no false prefix-cache hits); the shared tail is a slice of one list of small ints,
 # so building a prompt costs no per-token Python work. Never the EOS id (0).
 PROMPT_ID_BASE = 1 << 24
-_PROMPT_TAIL: list[int] = []
+_PROMPT_IDS: list[int] = []
 _REJECTED = RequestStatus.FINISHED_REJECTED
 # Re-derive the memory breakdown from the core after every skipped span and compare (an
 # O(running) self-check; on in the test suite, off by default for speed).
@@ -208,11 +209,11 @@ class SimResult:
 
 def synthetic_prompt(index: int, length: int) -> list[int]:
     """The prompt ids the simulator uses for trace request `index` when the trace has none."""
-    tail = _PROMPT_TAIL
-    if len(tail) < length:
-        tail.extend(range(len(tail) + 1, 2 * length + 1))
-    prompt = [PROMPT_ID_BASE + index]
-    prompt += tail[:length - 1]
+    ids = _PROMPT_IDS
+    if len(ids) < length:
+        ids.extend(range(len(ids), 2 * length))
+    prompt = ids[:length]                  # one copy: [0, 1, ..., length - 1]
+    prompt[0] = PROMPT_ID_BASE + index     # -> [PROMPT_ID_BASE + index, 1, ..., length - 1]
     return prompt
 
 
@@ -355,6 +356,13 @@ class SimEngine:
                 new += 1
                 if request.user_data in self._has_next_turn:
                     self._turn_finished(request)
+                # A request and its sequences refer to each other; cut the cycle so that
+                # reference counting frees them once the caller drops the request, and the
+                # cyclic GC (slow with many long token lists alive) finds nothing to do.
+                for seq in request.seqs:
+                    seq.request = None
+                for seq in request.finished_seqs:
+                    seq.request = None
         if new and self._pbar is not None:
             self._pbar.update(new)
 
@@ -398,7 +406,7 @@ class SimEngine:
         self.clock = t
 
     def _engine_process(self):
-        env, sched, ex = self.env, self.scheduler, self.executor
+        sched, ex = self.scheduler, self.executor
         gpu = sched.kv.gpu
         arrivals, n_total = self.arrivals, len(self.arrivals)
         skipping = self.event_skipping
@@ -436,104 +444,141 @@ class SimEngine:
             mem_add(dt, mem)
             timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
                                out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            # No SimPy wait per step: nothing else runs while the engine is busy (arrivals
+            # enter at step boundaries by the engine's own clock), so SimPy's clock only
+            # catches up when the engine idles (`_idle_until`).
             end = clock + dt
-            yield env.timeout(max(0.0, end - env.now))
             self.clock = end
             self.num_steps += 1
             self.num_normal_steps += 1
             self._finish(update(out, result, end).finished)
             if skipping and sched.requests:
-                yield from self._skip()
+                self._skip()
             if pbar is not None and not (self.num_normal_steps & 1023):
                 pbar.set_postfix_str(f"sim {self.clock:,.0f}s", refresh=False)
 
-    def _skip(self):
+    def _skip(self) -> None:
         """Fast-forward through steady decode steps that start before the next event; a
         span may end with requests finishing (nothing waits), and then the next one starts
         without a normal step in between."""
-        start = self.clock
         while self._span() and self.scheduler.requests:
             pass
-        if self.clock > start:         # one SimPy wait for the chain (nothing else runs before the next event)
-            yield self.env.timeout(max(0.0, self.clock - self.env.now))
 
     def _span(self) -> bool:
         """Apply one span of steady decode steps (the clock moves to its end); True when it
         ran to its horizon and sequences finished there (a next span may follow at once)."""
         sched = self.scheduler
-        horizon = steady_decode_horizon(sched, through_finishes=True)
-        if horizon <= 0:
-            return False
         t = start = self.clock
         limit = self._next_event()
         if limit <= t:
             return False
-        num_seqs, context_sum = steady_decode_shape(sched)
+        plan = steady_decode_plan(sched, through_finishes=True)
+        if plan is None:
+            return False
+        horizon, num_seqs, context_sum = plan.horizon, plan.num_seqs, plan.context_sum
         step_times = self.executor.decode_step_times
         # Step times never shrink as contexts grow, so at most (limit - t) / d0 + 1 steps
         # start before the arrival: price only those (the loop below extends if needed).
-        first = step_times(num_seqs, context_sum, 1)[0]
-        want = horizon if limit == math.inf else min(horizon, int((limit - t) / first) + 2)
+        if limit == math.inf:
+            want = horizon
+        else:
+            want = min(horizon, int((limit - t) / step_times(num_seqs, context_sum, 1)[0]) + 2)
         durations = step_times(num_seqs, context_sum, want)
         # KV usage per step: a sequence with c cached tokens and a table of b blocks takes
         # a new block at steps j0 = b * block_size - c, j0 + block_size, ... (paged: j0 < block
         # size; a contiguous region covers the sequence's whole life, so j0 lies past the span).
         bs = self.resolved.cache.block_size
-        starts, late = block_growth_steps(sched, bs)
-        gpu = sched.kv.gpu
-        used = gpu.num_used
-        span_model = SpanModel(sched, num_seqs)
-        span_at = span_model.at
-        mem_before = list(self.memory.w)
+        starts, late = block_growth_steps(sched, bs, plan.seqs)
+        used = used0 = sched.kv.gpu.num_used
+        # Each step's memory sample follows from the state before the span (sim.memory.SpanModel);
+        # one loop adds it and the time-weighted counts to the integrals, in step order.
+        span_model = SpanModel(sched, num_seqs, starts, late)
+        tok0, res0, ext, free0, logical0, total = (span_model.tok, span_model.res, span_model.ext, span_model.free,
+                                                   span_model.logical, span_model.total)
+        res_step = num_seqs if span_model.reserves else 0
+        w = self.memory.w
+        mem_before = w[:4]
+        m0, m1, m2, m3, m4, m5, m6 = w
         running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
         w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
         ends: list[float] = []
-        used_at: list[int] = []
-        all_durations: list[float] = []
-        append, append_used = ends.append, used_at.append
+        append = ends.append
         i = 0
+        tok, res = tok0, res0
+        # Terms that are 0 throughout the span add nothing (x + 0.0 == x for these sums of
+        # non-negative products): the common case (paged, nothing waiting) skips them.
+        lean = not (waiting or swapped or res0 or res_step or ext)
+        g = used0 - logical0                           # logical blocks = used - g
         while True:
-            for dt in durations:
-                if t >= limit:
-                    break
-                if late and i in late:
-                    starts[i % bs] += late.pop(i)
-                used += starts[i % bs]
-                append_used(used)
-                w_used += used * dt
-                w_run += running * dt
-                w_wait += waiting * dt
-                w_swap += swapped * dt
-                t = t + dt
-                append(t)
-                i += 1
+            if lean:
+                for dt in durations:
+                    if t >= limit:
+                        break
+                    if late and i in late:
+                        starts[i % bs] += late.pop(i)
+                    used += starts[i % bs]
+                    used_dt = used * dt
+                    w_used += used_dt
+                    w_run += running * dt
+                    tok += num_seqs
+                    free = free0 - bs * (used - used0)
+                    m0 += tok * dt
+                    m2 += (total - tok - free) * dt
+                    m4 += free * dt
+                    m5 += used_dt
+                    m6 += (used - g) * dt
+                    t = t + dt
+                    append(t)
+                    i += 1
             else:
-                if i < horizon and t < limit:          # the estimate fell short: price more
-                    all_durations += durations
-                    durations = step_times(num_seqs, context_sum + i * num_seqs, min(horizon - i, 64))
-                    continue
+                for dt in durations:
+                    if t >= limit:
+                        break
+                    if late and i in late:
+                        starts[i % bs] += late.pop(i)
+                    used += starts[i % bs]
+                    used_dt = used * dt
+                    w_used += used_dt
+                    w_run += running * dt
+                    w_wait += waiting * dt
+                    w_swap += swapped * dt
+                    tok += num_seqs
+                    res -= res_step
+                    free = free0 - bs * (used - used0)
+                    m0 += tok * dt
+                    m1 += res * dt
+                    m2 += (total - tok - res - ext - free) * dt
+                    m3 += ext * dt
+                    m4 += free * dt
+                    m5 += used_dt
+                    m6 += (used - g) * dt
+                    t = t + dt
+                    append(t)
+                    i += 1
+            if i < horizon and t < limit:      # every priced step started before the limit: price more
+                durations = step_times(num_seqs, context_sum + i * num_seqs, min(horizon - i, 64))
+                continue
             break
         k = i
-        all_durations += durations
-        span_model.accumulate(self.memory.w, all_durations, used_at, 0, k)
+        w[:] = (m0, m1, m2, m3, m4, m5, m6)
         span_used = w_used - self._w_used
         self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
         if used > self._max_used:
             self._max_used = used
         span = t - start
-        mem_means = [(a - b) / span for a, b in zip(self.memory.w[:4], mem_before[:4])]
-        self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs,
-                                num_seqs, 0, *mem_means))
-        result = fast_forward(sched, k, ends, self.executor.token_ids)
-        finished = result.finished
+        self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs, num_seqs, 0,
+                                (m0 - mem_before[0]) / span, (m1 - mem_before[1]) / span,
+                                (m2 - mem_before[2]) / span, (m3 - mem_before[3]) / span))
+        finished = fast_forward(sched, k, ends, self.executor.token_ids, plan).finished
         # Sequences that finished (n > 1 samples may finish apart) gave their blocks back:
         # the state is then past the span's last step.
-        shrunk = sum(len(r.seqs) for r in sched.running) != num_seqs
+        shrunk = k >= plan.first_finish
+        gpu = sched.kv.gpu
         if gpu.num_used != used and not (shrunk and gpu.num_used < used):
             raise RuntimeError(f"event skipping: KV usage {gpu.num_used} after {k} steps, expected {used}")
-        if CHECK_SPANS and not shrunk and memory_sample(sched) != span_at(k - 1, used):
+        if CHECK_SPANS and not shrunk and memory_sample(sched) != span_model.at(k - 1, used):
             raise RuntimeError(f"event skipping: memory breakdown {memory_sample(sched)} after {k} steps, "
-                               f"expected {span_at(k - 1, used)}")   # the state now = the span's last step
+                               f"expected {span_model.at(k - 1, used)}")   # the state now = the span's last step
         self.clock = t
         self.num_steps += k
         self._finish(finished)

@@ -17,11 +17,14 @@ a replica with a router in front behave exactly like the single engine
 (`sim.engine.SimEngine`) when it sees the same arrivals (tested: a 1-replica fleet gives
 identical records), and the routing decisions independent of event skipping.
 
-Cost. Replicas skip steady decode spans as the single engine does, but a replica does
-not know its next arrival ahead of time: it plans a span up to its own horizon and is
-cut short (`Span.cut`) when a request is routed to it. So a replica pays for its own
-arrivals only, and a fleet of N replicas costs about N single replicas; routers that
-read KV state add one partial commit per replica and arrival.
+Cost. Replicas skip steady decode spans as the single engine does, spans included that
+end with the step in which sequences reach their length limit (the next span follows at
+once). A replica does not know its next arrival ahead of time: it plans a span up to its
+own horizon and is cut short (`Span.cut`) when a request is routed to it. So a replica
+pays for its own arrivals and finishes only, and a fleet of N replicas costs about N
+single replicas serving 1/N of the load each; routers that read KV state add one partial
+commit per replica and arrival. Other routers still see finishes as of each arrival: a
+span whose finishing step started before the arrival is committed first (`sync_finishes`).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import simpy
 
 from core import Request
-from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_shape
+from core.event_skipping import SteadyDecode, fast_forward, steady_decode_plan
 from core.metrics import summarize
 from policies import make as make_policy
 from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
@@ -61,32 +64,36 @@ class FleetConfig:
         return self.replicas * self.replica.tp
 
 
-# Steps a replica plans when a span starts; a span that is not cut doubles its plan.
+# Steps a replica plans when a span starts: those that start before the fleet's next
+# arrival (nothing can cut the span earlier; the estimate as in sim.engine), at least
+# MIN_CHUNK, or FIRST_CHUNK when no arrival is left; a span that is not cut doubles its plan.
 FIRST_CHUNK = 32
+MIN_CHUNK = 8
 
 
 class Span:
     """A steady-decode span of one replica, planned ahead in growing chunks (step end times
     and KV blocks in use per step) and committed to the core in order, possibly in pieces."""
 
-    __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon",
+    __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon", "plan",
                  "_price", "_num_seqs", "_context_sum", "_starts", "_late", "_bs", "_used", "_t")
 
-    def __init__(self, replica: "Replica", horizon: int):
+    def __init__(self, replica: "Replica", plan: SteadyDecode):
         sched = replica.scheduler
         self.start = self._t = replica.clock
-        self.horizon = horizon
-        self._num_seqs, self._context_sum = steady_decode_shape(sched)
+        self.plan = plan
+        self.horizon = plan.horizon
+        self._num_seqs, self._context_sum = plan.num_seqs, plan.context_sum
         self._price = replica.executor.decode_step_times
         # A sequence with c cached tokens and a table of b blocks takes a new block at steps
         # j0 = b * block_size - c, j0 + block_size, ... (as sim.engine's span accounting).
         bs = self._bs = replica.resolved.cache.block_size
-        self._starts, self._late = block_growth_steps(sched, bs)
+        self._starts, self._late = block_growth_steps(sched, bs, plan.seqs)
         self._used = sched.kv.gpu.num_used
         self.durations: list[float] = []
         self.ends: list[float] = []
         self.used: list[int] = []
-        self.model = SpanModel(sched, self._num_seqs)
+        self.model = SpanModel(sched, self._num_seqs, self._starts, self._late)
         self.counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
         self.done = 0            # steps already applied to the core
         self.cut: int | None = None
@@ -115,6 +122,11 @@ class Span:
 
     def end_of(self, k: int) -> float:
         return self.ends[k - 1] if k else self.start
+
+    @property
+    def finishes(self) -> bool:
+        """Does the span's last step bring sequences to their length limit?"""
+        return self.plan.first_finish <= self.horizon
 
 
 class Replica(SimEngine):
@@ -156,6 +168,15 @@ class Replica(SimEngine):
         span = self._span
         if span is not None:
             self._commit(span, max(span.done, span.steps_started_before(t)))
+
+    def sync_finishes(self, t: float) -> None:
+        """Apply a pending span that ends in finishes when its last step starts before t:
+        the router then counts outstanding requests as of t, as step by step (where the
+        finishing step's results apply when it starts)."""
+        span = self._span
+        if span is not None and span.finishes and len(span.ends) == span.horizon and span.done < span.horizon \
+                and span.end_of(span.horizon - 1) < t:
+            self._commit(span, span.horizon)
 
     def deliver(self, request: Request, now: float) -> None:
         """Take `request` at time `now` (the exact arrival time; SimPy's clock is `now` up to
@@ -261,35 +282,47 @@ class Replica(SimEngine):
             self.clock = woken
 
     def _skip(self):
-        """Run a steady-decode span up to the horizon (planned in doubling chunks); commit it
-        at its end, or up to the step in progress when a request is routed here first."""
-        if self.inbox or self.fleet.arrival_pending(self.clock):
-            return                           # an arrival is due at this boundary
-        sched = self.scheduler
-        horizon = steady_decode_horizon(sched)
-        if horizon <= 0:
-            return
-        span = Span(self, horizon)
-        span.extend(min(horizon, FIRST_CHUNK))
-        self._span = span
-        env = self.env
-        while True:
-            try:
-                yield env.timeout(max(0.0, span.ends[-1] - env.now))
-            except simpy.Interrupt:
-                pass
-            planned = len(span.ends)
-            if span.cut is not None or planned >= horizon:
-                break
-            span.extend(min(horizon - planned, planned))    # doubling chunks
-        self._span = None
-        k = len(span.ends) if span.cut is None else span.cut
-        self._commit(span, k)
-        if k < len(span.ends):
-            yield self.env.timeout(max(0.0, span.end_of(k) - self.env.now))
-        self.clock = span.end_of(k)
-        if self.after_step is not None:
-            self.after_step(self)
+        """Run steady-decode spans up to their horizon (planned in doubling chunks); commit
+        each at its end, or up to the step in progress when a request is routed here first.
+        A span may end with the step in which sequences reach their length limit; the next
+        span then follows at once (its horizon re-checks admission against the freed blocks)."""
+        sched, env, fleet = self.scheduler, self.env, self.fleet
+        while sched.requests:
+            if self.inbox or fleet.arrival_pending(self.clock):
+                return                           # an arrival is due at this boundary
+            plan = steady_decode_plan(sched, through_finishes=True)
+            if plan is None:
+                return
+            horizon = plan.horizon
+            span = Span(self, plan)
+            nxt = fleet.next_arrival()
+            if nxt == math.inf:
+                span.extend(min(horizon, FIRST_CHUNK))
+            else:
+                span.extend(1)
+                if horizon > 1:
+                    est = int((nxt - span.start) / span.durations[0]) + 2
+                    span.extend(min(horizon, max(MIN_CHUNK, est)) - 1)
+            self._span = span
+            while True:
+                try:
+                    yield env.timeout(max(0.0, span.ends[-1] - env.now))
+                except simpy.Interrupt:
+                    pass
+                planned = len(span.ends)
+                if span.cut is not None or planned >= horizon:
+                    break
+                span.extend(min(horizon - planned, planned))    # doubling chunks
+            self._span = None
+            k = len(span.ends) if span.cut is None else span.cut
+            self._commit(span, k)
+            if k < len(span.ends):
+                yield env.timeout(max(0.0, span.end_of(k) - env.now))
+            self.clock = span.end_of(k)
+            if self.after_step is not None:
+                self.after_step(self)
+            if k < horizon or not span.finishes:
+                return
 
     def _commit(self, span: Span, k: int) -> None:
         """Apply steps [span.done, k) to the core, with their time-weighted accounting
@@ -300,17 +333,11 @@ class Replica(SimEngine):
         sched = self.scheduler
         running, waiting, swapped = span.counts
         durations, used_at = span.durations, span.used
-        mem_before = list(self.memory.w[:4])
-        span.model.accumulate(self.memory.w, durations, used_at, i0, k)
-        w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
-        for i in range(i0, k):
-            dt, used = durations[i], used_at[i]
-            w_used += used * dt
-            w_run += running * dt
-            w_wait += waiting * dt
-            w_swap += swapped * dt
-        piece_used = w_used - self._w_used
-        self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
+        mem_before = self.memory.w[:4]
+        tw = [self._w_used, self._w_running, self._w_waiting, self._w_swapped]
+        span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, i0, k)
+        piece_used = tw[0] - self._w_used
+        self._w_used, self._w_running, self._w_waiting, self._w_swapped = tw
         if used_at[k - 1] > self._max_used:
             self._max_used = used_at[k - 1]
         t0 = span.end_of(i0)
@@ -319,8 +346,10 @@ class Replica(SimEngine):
         num_seqs = span.model.n
         self.timeseries.append((t0, length, k - i0, piece_used / length, running, waiting, swapped,
                                 num_seqs, num_seqs, 0, *mem_means))
-        result = fast_forward(sched, k - i0, span.ends[i0:k], self.executor.token_ids)
-        if sched.kv.gpu.num_used != used_at[k - 1]:
+        result = fast_forward(sched, k - i0, span.ends[i0:k], self.executor.token_ids, span.plan)
+        # Sequences that finished at the span's last step gave their blocks back.
+        shrunk = k == span.horizon and span.finishes
+        if sched.kv.gpu.num_used != used_at[k - 1] and not (shrunk and sched.kv.gpu.num_used < used_at[k - 1]):
             raise RuntimeError(f"replica {self.index}: KV usage {sched.kv.gpu.num_used} after a span, "
                                f"expected {used_at[k - 1]}")
         span.done = k
@@ -363,6 +392,10 @@ class Fleet:
             r.records = self.records         # replicas record into the fleet's list, trace order
 
     # -- coordination with replicas ---------------------------------------------------------
+    def next_arrival(self) -> float:
+        """Time of the next arrival still to be routed (inf when none is left)."""
+        return self.arrivals[self._next] if self._next < len(self.arrivals) else math.inf
+
     def arrival_pending(self, t: float) -> bool:
         """Is an arrival at or before t still to be routed?"""
         return self._next < len(self.arrivals) and self.arrivals[self._next] <= t
@@ -392,6 +425,9 @@ class Fleet:
         if self.router.reads_kv:
             for r in replicas:
                 r.sync(now)
+        else:
+            for r in replicas:
+                r.sync_finishes(now)
         return replicas[self.router.choose(request, replicas)]
 
     def _router_process(self):

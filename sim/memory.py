@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from core.contiguous import ContiguousKVCacheManager
 from core.event_skipping import memory_breakdown
+from core.kv_cache_manager import KVCacheManager
 
 CATEGORIES = ("token_states", "reserved", "internal_frag", "external_frag")
 
@@ -55,8 +56,19 @@ class SpanModel:
 
     __slots__ = ("tok", "res", "internal", "ext", "free", "used", "logical", "n", "bs", "reserves", "total")
 
-    def __init__(self, scheduler, num_seqs: int):
-        tok, res, internal, ext, free, used, logical = sample(scheduler)
+    def __init__(self, scheduler, num_seqs: int, starts: list[int] | None = None, late: dict | None = None):
+        kv = scheduler.kv
+        if starts is not None and not late and type(kv) is KVCacheManager and num_seqs == len(scheduler.running):
+            # Paged, one sequence per request, tables covering their tokens exactly: a
+            # sequence's unfilled tail is the j0 of `block_growth_steps` (what
+            # KVCacheManager.memory_breakdown adds up), so the sample needs no second scan.
+            bs = kv.block_size
+            used = kv.gpu.num_used
+            internal = sum(j * count for j, count in enumerate(starts) if count)
+            tok, res, ext, free = used * bs - internal, 0, 0, kv.gpu.num_free * bs
+            logical = sum(map(len, kv.tables.values()))
+        else:
+            tok, res, internal, ext, free, used, logical = sample(scheduler)
         self.tok, self.res, self.internal, self.ext, self.free = tok, res, internal, ext, free
         self.used, self.logical, self.n = used, logical, num_seqs
         self.bs = scheduler.cache_config.block_size
@@ -73,28 +85,56 @@ class SpanModel:
         return tok, res, internal, self.ext, free, used, self.logical + used - self.used
 
 
-    def accumulate(self, w: list[float], durations, used_at, i0: int, k: int) -> None:
-        """Add steps i0..k-1 of the span to the integrals `w` (MemoryAccumulator.w): the
-        same products, added in the same order, as `w += at(i, used_at[i]) * durations[i]`
-        step by step (bit-identical), without building a tuple per step."""
+    def accumulate(self, w: list[float], tw: list[float], counts: tuple[int, int, int], durations, used_at,
+                   i0: int, k: int) -> None:
+        """Add steps i0..k-1 of the span to the memory integrals `w` (MemoryAccumulator.w)
+        and to tw = [used, running, waiting, swapped] block/request-seconds: the same
+        products, added in the same order, as `w += at(i, used_at[i]) * durations[i]` (and
+        `tw += (used, *counts) * durations[i]`) step by step (bit-identical), without building
+        a tuple per step. Terms that stay 0 are skipped (x + 0.0 == x for these sums of
+        non-negative products)."""
         w0, w1, w2, w3, w4, w5, w6 = w
+        t_used, t_run, t_wait, t_swap = tw
+        running, waiting, swapped = counts
         n, bs, used0, ext = self.n, self.bs, self.used, self.ext
-        tok0, res0, free0, logical0, total = self.tok, self.res, self.free, self.logical, self.total
-        reserves = self.reserves
-        for i in range(i0, k):
-            dt, used = durations[i], used_at[i]
-            grown = (i + 1) * n
-            tok = tok0 + grown
-            res = res0 - grown if reserves else res0
-            free = free0 - bs * (used - used0)
-            w0 += tok * dt
-            w1 += res * dt
-            w2 += (total - tok - res - ext - free) * dt
-            w3 += ext * dt
-            w4 += free * dt
-            w5 += used * dt
-            w6 += (logical0 + used - used0) * dt
+        res0, free0, total = self.res, self.free, self.total
+        g = used0 - self.logical                          # logical blocks = used - g
+        tok = self.tok + i0 * n
+        res_step = n if self.reserves else 0
+        res = res0 - i0 * res_step
+        if not (waiting or swapped or res0 or res_step or ext):
+            for i in range(i0, k):
+                dt, used = durations[i], used_at[i]
+                used_dt = used * dt
+                t_used += used_dt
+                t_run += running * dt
+                tok += n
+                free = free0 - bs * (used - used0)
+                w0 += tok * dt
+                w2 += (total - tok - free) * dt
+                w4 += free * dt
+                w5 += used_dt
+                w6 += (used - g) * dt
+        else:
+            for i in range(i0, k):
+                dt, used = durations[i], used_at[i]
+                used_dt = used * dt
+                t_used += used_dt
+                t_run += running * dt
+                t_wait += waiting * dt
+                t_swap += swapped * dt
+                tok += n
+                res -= res_step
+                free = free0 - bs * (used - used0)
+                w0 += tok * dt
+                w1 += res * dt
+                w2 += (total - tok - res - ext - free) * dt
+                w3 += ext * dt
+                w4 += free * dt
+                w5 += used_dt
+                w6 += (used - g) * dt
         w[:] = (w0, w1, w2, w3, w4, w5, w6)
+        tw[:] = (t_used, t_run, t_wait, t_swap)
 
 
 class MemoryAccumulator:
@@ -140,20 +180,22 @@ class MemoryAccumulator:
         return breakdown, sharing
 
 
-def block_growth_steps(sched, block_size: int) -> tuple[list[int], dict[int, int]]:
+def block_growth_steps(sched, block_size: int, seqs=None) -> tuple[list[int], dict[int, int]]:
     """When the running sequences take new blocks during a steady decode span: a sequence
     with c cached tokens and a table of b blocks takes one at steps j0 = b * block_size - c,
     j0 + block_size, ... Returns (starts, late): starts[j] counts sequences with j0 = j <
     block_size (paged tables); late maps a j0 past the first block (a contiguous region
-    covers its sequence's whole life) to its count."""
+    covers its sequence's whole life) to its count. `seqs`: the running sequences in batch
+    order, when the caller has them (`core.event_skipping.SteadyDecode.seqs`)."""
     starts = [0] * block_size
     late: dict[int, int] = {}
     tables = sched.kv.tables
-    for request in sched.running:
-        for seq in request.seqs:
-            j0 = len(tables[seq.seq_id]) * block_size - seq.num_computed_tokens
-            if j0 < block_size:
-                starts[j0] += 1
-            else:
-                late[j0] = late.get(j0, 0) + 1
+    if seqs is None:
+        seqs = [seq for request in sched.running for seq in request.seqs]
+    for seq in seqs:
+        j0 = len(tables[seq.seq_id]) * block_size - seq.num_computed_tokens
+        if j0 < block_size:
+            starts[j0] += 1
+        else:
+            late[j0] = late.get(j0, 0) + 1
     return starts, late

@@ -13,14 +13,19 @@ import os
 from hypothesis import given, settings, strategies as st
 
 from core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
-from core.event_skipping import fast_forward, steady_decode_horizon
+from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_plan
 from core.metrics import RequestRecord
 from policies import REGISTRY, PolicySet
 from tests.core.toy_executor import ToyExecutor, next_token
 
 # Prompts use token ids >= 50 (the toy executor generates ids < 50), so a decode never
 # publishes a block a waiting prompt could hit: the simulator's guarantee too (see
-# steady_decode_horizon). Shared prefixes make prefix caching (and LPM order) matter.
+# steady_decode_horizon). A request preempted by recompute waits with its generated
+# tokens, though, and the toy executor's tokens depend on the last 6 tokens only: two
+# requests with the same prompt generate the same blocks, so one's decode could publish a
+# block the other then hits (the simulator's tokens depend on the sequence, so it cannot).
+# `distinct` prompts end in a token of their own (chained hashes then keep every later
+# block apart). Shared prefixes make prefix caching (and LPM order) matter.
 PREFIXES = [[50, 51, 52, 53, 54, 55, 56, 57], [60] * 8, [61, 62, 63, 64], []]
 BS = 4
 
@@ -43,7 +48,10 @@ def workloads():
 
 
 def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blocks: int = 8,
-          through_finishes: bool = False):
+          through_finishes: bool = False, use_plan: bool = False, distinct: bool = False):
+    """Run `workload` step by step, or (fast) with spans; use_plan: spans come from
+    `steady_decode_plan` and are applied in two pieces through it (as a fleet replica cut
+    short applies them), instead of `steady_decode_horizon` + a plan-less `fast_forward`."""
     caching = caching and names["allocation"] == "paged"
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48),
                       CacheConfig(block_size=BS, num_gpu_blocks=blocks, num_cpu_blocks=cpu_blocks,
@@ -64,7 +72,7 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
     while i < len(arrivals) or sched.has_unfinished_requests():
         while i < len(arrivals) and arrivals[i][0] <= t:
             step, prefix, tail, max_tokens, n, priority = arrivals[i]
-            prompt = PREFIXES[prefix] + tail or [50]
+            prompt = PREFIXES[prefix] + tail + ([100 + i] if distinct else []) or [50]
             params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
             reqs.append(sched.add_request(Request(f"r{i}", prompt, params, priority=priority,
                                                   arrival_time=float(step))))
@@ -74,12 +82,20 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
         t += 1
         sched.update(out, res, float(t))
         while fast:                                # spans back to back while they end in finishes
-            k = steady_decode_horizon(sched, through_finishes)
+            plan = steady_decode_plan(sched, through_finishes) if use_plan else None
+            k = steady_decode_horizon(sched, through_finishes) if not use_plan else plan.horizon if plan else 0
             if i < len(arrivals):
                 k = min(k, arrivals[i][0] - t)
             if k <= 0:
                 break
-            done = fast_forward(sched, k, [float(t + j + 1) for j in range(k)], token_fn).finished
+            times = [float(t + j + 1) for j in range(k)]
+            if plan is None:
+                done = fast_forward(sched, k, times, token_fn).finished
+            else:
+                first = k // 2
+                done = fast_forward(sched, first, times[:first], token_fn, plan).finished
+                assert not done                    # finishes come at the span's last step only
+                done = fast_forward(sched, k - first, times[first:], token_fn, plan).finished
             t += k
             skipped += k
             finished_in_span += len(done)
@@ -94,14 +110,16 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
 
 
 @given(workload=workloads(), names=policy_names(), caching=st.booleans(), blocks=st.integers(12, 28),
-       through_finishes=st.booleans())
+       through_finishes=st.booleans(), use_plan=st.booleans())
 @settings(max_examples=300 if not os.environ.get("CI") else 1000, deadline=None)
-def test_fast_forward_matches_single_steps(workload, names, caching, blocks, through_finishes):
+def test_fast_forward_matches_single_steps(workload, names, caching, blocks, through_finishes, use_plan):
     """Spans that stop before a finish, or (through_finishes) end with the finishing step
     while nothing waits: requests finishing at different steps, by max_tokens or by the
-    model length limit, n = 1 and forked n = 2."""
-    slow = drive(workload, False, names, caching, blocks)
-    fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes)
+    model length limit, n = 1 and forked n = 2; spans applied whole, or from a
+    `steady_decode_plan` in two pieces."""
+    slow = drive(workload, False, names, caching, blocks, distinct=True)
+    fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes, use_plan=use_plan,
+                 distinct=True)
     assert fast[0] == slow[0], names
     assert fast[2:5] == slow[2:5], names
 
@@ -138,10 +156,11 @@ def test_spans_run_through_finishes():
     names = dict(queue="fcfs", preemption="recompute", victim="newest", eviction="lru", allocation="paged")
     workload = [(0, 3, [51], 30, 1, 0), (0, 3, [52], 15, 1, 0), (0, 3, [53], 9, 2, 0)]
     slow = drive(workload, False, names, True, 40)
-    fast = drive(workload, True, names, True, 40, through_finishes=True)
-    assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
-    # single steps: the admitting one and the copy-on-write after the n=2 fork (not the finishes)
-    assert fast[5] == 3 and fast[1] == 28
+    for use_plan in (False, True):
+        fast = drive(workload, True, names, True, 40, through_finishes=True, use_plan=use_plan)
+        assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
+        # single steps: the admitting one and the copy-on-write after the n=2 fork (not the finishes)
+        assert fast[5] == 3 and fast[1] == 28
     assert drive(workload, True, names, True, 40)[1] == 25   # without: each finishing step singly
     crowded = workload + [(1, 0, [], 20, 1, 0)]                # waits until a finish frees blocks
     slow = drive(crowded, False, names, True, 12)
