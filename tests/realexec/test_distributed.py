@@ -69,17 +69,6 @@ def mp_llm(tiny):
     llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-    from realexec.ray_executor import PROJECT_ROOT
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, num_cpus=2,
-             runtime_env={"env_vars": {"PYTHONPATH": PROJECT_ROOT, "GLOO_SOCKET_IFNAME": "lo"}})
-    yield ray
-    ray.shutdown()
-
-
 def assert_gone(pids, within=10.0):
     deadline = time.monotonic() + within
     alive = list(pids)
