@@ -8,7 +8,8 @@
 `sim` never imports `realexec`; the two backends share only `core` and `policies`.
 """
 from sim.config import DEFAULT_HARDWARE, DEFAULT_MODEL, SimConfig
-from sim.engine import ResolvedConfig, SimEngine, SimResult, resolve, simulate
+from sim.engine import ResolvedConfig, SimEngine, SimResult, resolve
+from sim.run import simulate
 from sim.executor import SimExecutor
 from sim.results import build_summary, format_summary, write_results
 

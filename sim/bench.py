@@ -33,7 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from sim.engine import SimConfig, resolve, simulate
+from sim.engine import SimConfig, resolve
+from sim.run import simulate
 from sim.results import build_summary
 from traces import TraceError, load_trace, retime
 

@@ -18,7 +18,8 @@ from policies import REGISTRY
 from sim import compare, replay, search, validate
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
                         positive_int)
-from sim.engine import ResolvedConfig, resolve, simulate
+from sim.engine import ResolvedConfig, resolve
+from sim.run import simulate
 from sim.results import build_summary, format_summary, write_results
 from sim.workloads import apply_workload
 from traces import LOADERS, Trace, TraceError, load_trace

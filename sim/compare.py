@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from policies import REGISTRY
-from sim.engine import SimConfig, SimResult, resolve, simulate
+from sim.engine import SimConfig, SimResult, resolve
+from sim.run import simulate
 from sim.memory import CATEGORIES
 from sim.results import build_summary
 from traces import Trace

@@ -54,6 +54,7 @@ from sim.fitted_cost import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
 from sim.memory import MemoryAccumulator, SpanModel, block_growth_steps, sample as memory_sample
 from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
+from sim.stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacity_blocks
 from traces import HashedBlockTokens, Trace
 
 # Synthetic prompts (traces without token ids): request i's prompt is the id
@@ -128,7 +129,6 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         from core.config import pipeline_stage_layers
         pipeline_stage_layers(model.num_layers, c.pp, c.pp_layer_partition)     # names what is wrong
     if c.pp > 1:
-        from sim.pipeline import PipelineLayout
         layout = PipelineLayout.of(model, hw, c.tp, c.pp, c.pp_layer_partition, c.pp_link_bandwidth)
         if c.cost_model is not None:
             raise ValueError("--cost-model prices a whole model on one GPU group; with --pp the roofline prices "
@@ -148,7 +148,6 @@ def resolve(config: SimConfig) -> ResolvedConfig:
             raise ValueError(f"num-gpu-blocks must be >= 1, got {c.num_gpu_blocks}")
         num_gpu_blocks = c.num_gpu_blocks
     elif layout is not None:
-        from sim.pipeline import pipeline_kv_capacity_blocks
         num_gpu_blocks = pipeline_kv_capacity_blocks(model, hw, c.block_size, c.gpu_memory_utilization, layout,
                                                      batched)
         if num_gpu_blocks < 1:
@@ -166,7 +165,6 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         batched = default_max_num_batched_tokens(c.enable_chunked_prefill, max_model_len)
     block_bytes = kv_block_bytes(model, c.block_size, c.tp)
     if layout is not None:
-        from sim.pipeline import pipeline_block_bytes
         block_bytes = pipeline_block_bytes(model, c.block_size, layout)
     num_cpu_blocks = int(c.swap_space_gib * GiB) // block_bytes
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched,
@@ -629,12 +627,3 @@ class SimEngine:
         return SimResult(self.resolved, self.trace.source, records, requested_output_lens, total, self.num_steps,
                          self.num_normal_steps, sched.num_preemptions, sched.num_swaps, self.executor.swap_seconds,
                          self.executor.num_swapped_blocks, kv, tw, self.timeseries, breakdown, sharing)
-
-
-def simulate(config: SimConfig | ResolvedConfig, trace: Trace, *, progress: bool = False) -> SimResult:
-    """Run `trace` on the deployment `config` and return the result."""
-    resolved = config if isinstance(config, ResolvedConfig) else resolve(config)
-    if resolved.config.pp > 1:
-        from sim.pipeline import PipelineSimEngine
-        return PipelineSimEngine(resolved, trace, progress=progress).run()
-    return SimEngine(resolved, trace, progress=progress).run()

@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.metrics import summarize
-from sim.engine import SimConfig, resolve, simulate
+from sim.engine import SimConfig, resolve
+from sim.run import simulate
 from sim.specs import HARDWARE, MODELS
 from traces import Trace, TraceError, load_trace, retime
 

@@ -230,7 +230,7 @@ def sim_config_from_log(config: dict, cost_model: str) -> SimConfig:
 
 
 def run_sim(config: dict, trace: Trace, cost_model: str):
-    from sim.engine import simulate
+    from sim.run import simulate
 
     result = simulate(sim_config_from_log(config, cost_model), trace)
     ttft, tpot, e2e = [], [], {}

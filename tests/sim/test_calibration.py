@@ -15,7 +15,7 @@ from core.cost_fit import (FAMILIES, StepCostEvaluator, check_model, choose_fami
                            fit_step_cost, shape_of)
 from sim.config import SimConfig
 from sim.cost_model import BatchShape, RooflineCostModel
-from sim.engine import simulate
+from sim.run import simulate
 from sim.fitted_cost import FittedCostModel
 from sim.specs import get_hardware, get_model
 from traces.model import Trace, TraceRequest

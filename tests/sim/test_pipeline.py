@@ -13,8 +13,9 @@ import pytest
 
 from sim import SimConfig, SimEngine, resolve, simulate
 from sim.cost_model import BatchShape, RooflineCostModel, kv_cache_capacity_blocks
-from sim.pipeline import (INTER_NODE_BANDWIDTH, PipelineCostModel, PipelineLayout, PipelineSimEngine,
-                          pipeline_kv_capacity_blocks, stage_weight_bytes)
+from sim.pipeline import PipelineSimEngine
+from sim.stages import (INTER_NODE_BANDWIDTH, PipelineCostModel, PipelineLayout, pipeline_kv_capacity_blocks,
+                        stage_weight_bytes)
 from sim.results import build_summary
 from sim.specs import get_hardware, get_model
 from traces import Trace, TraceRequest, load_trace
