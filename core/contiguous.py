@@ -17,7 +17,7 @@ from typing import Callable
 
 from core.block_pool import BlockPool, NoFreeBlocksError
 from core.kv_cache_manager import SwapSpaceExhaustedError
-from core.kv_interface import KVCacheStats
+from core.kv_interface import KVCacheStats, allocate_checked_group
 from core.request import Request, RequestStatus, Sequence
 
 # How many token slots a sequence reserves, given its request.
@@ -172,10 +172,7 @@ class ContiguousKVCacheManager:
     def allocate_group(self, plan: list[tuple[Sequence, int]]) -> bool:
         if not self._fits_plan(plan):
             return False
-        for seq, n in plan:
-            ok = self.allocate_slots(seq, n)
-            assert ok, "group allocation failed after a successful capacity check"
-        return True
+        return allocate_checked_group(self, plan)
 
     def decode_table(self, seq: Sequence) -> list[int] | None:
         table = self.tables[seq.seq_id]

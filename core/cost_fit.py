@@ -174,22 +174,24 @@ def summarize_errors(errs: Sequence[float]) -> dict[str, float]:
     return {"n": len(s), "mean": sum(s) / len(s), "median": pick(0.5), "p90": pick(0.9)}
 
 
-def _folds(n: int, k: int, seed: int) -> list[list[int]]:
+def _splits(n: int, k: int, seed: int):
+    """(train, held) index lists of k-fold cross-validation over n samples (2 <= k <= n),
+    in a seeded random order; folds that would leave nothing to train on are skipped."""
     order = list(range(n))
     random.Random(seed).shuffle(order)
-    return [order[i::k] for i in range(k)]
+    k = max(2, min(k, n))
+    for held in (order[i::k] for i in range(k)):
+        held_set = set(held)
+        train = [i for i in range(n) if i not in held_set]
+        if train:
+            yield train, held
 
 
 def cross_validate(rows: list[dict[str, float]], y: list[float], features: Sequence[str],
                    k: int = 5, seed: int = 0) -> list[float]:
     """Held-out relative error of every sample: each fold is predicted by a fit on the others."""
-    k = max(2, min(k, len(rows)))
     errs: list[float] = []
-    for held in _folds(len(rows), k, seed):
-        held_set = set(held)
-        train = [i for i in range(len(rows)) if i not in held_set]
-        if not train:
-            continue
+    for train, held in _splits(len(rows), k, seed):
         coef = fit_nonneg([[rows[i][f] for f in features] for i in train], [y[i] for i in train])
         errs += relative_errors([max(0.0, predict_linear(features, coef, rows[i])) for i in held],
                                 [y[i] for i in held])
@@ -247,13 +249,8 @@ def held_out_step_error(samples: Sequence[dict], model: dict, k: int = 5, seed: 
             continue
         knots = table_knots(s["tokens"] for s in chosen)
         rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"], knots) for s in chosen]
-        kk = max(2, min(k, len(chosen)))
         errs: list[float] = []
-        for held in _folds(len(chosen), kk, seed):
-            hs = set(held)
-            train = [i for i in range(len(chosen)) if i not in hs]
-            if not train:
-                continue
+        for train, held in _splits(len(chosen), k, seed):
             pred = [0.0] * len(held)
             for part in PARTS:
                 feats = model["parts"][part][phase]["features"]

@@ -17,7 +17,7 @@ from operator import itemgetter
 
 from core.block_hash import DEFAULT_HASH_ALGO, block_hasher
 from core.block_pool import BlockPool
-from core.kv_interface import KVCacheStats
+from core.kv_interface import KVCacheStats, allocate_checked_group
 from core.policy_api import Evictor
 from core.request import Request, Sequence
 
@@ -177,10 +177,7 @@ class KVCacheManager:
         # All or nothing across the group (the per-sequence estimate is conservative).
         if sum(self.blocks_needed(seq, n) for seq, n in plan) > self.gpu.num_free:
             return False
-        for seq, n in plan:
-            ok = self.allocate_slots(seq, n)
-            assert ok, "group allocation failed after a successful capacity check"
-        return True
+        return allocate_checked_group(self, plan)
 
     def decode_table(self, seq: Sequence) -> list[int] | None:
         # One more token that neither starts a block, nor fills one (nothing to publish),

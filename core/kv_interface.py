@@ -99,3 +99,12 @@ class KVManager(Protocol):
     # -- introspection ------------------------------------------------------------------------
     def memory_breakdown(self, running: list["Request"], waiting_head: "Request | None") -> dict[str, int]: ...
     def stats(self) -> KVCacheStats: ...
+
+
+def allocate_checked_group(kv: "KVManager", plan: list[tuple["Sequence", int]]) -> bool:
+    """Allocate every slice of `plan` after the manager's all-or-nothing capacity check
+    passed: a failure here is a bug in that check, not a lack of blocks."""
+    for seq, n in plan:
+        ok = kv.allocate_slots(seq, n)
+        assert ok, "group allocation failed after a successful capacity check"
+    return True
