@@ -199,3 +199,15 @@ def block_growth_steps(sched, block_size: int, seqs=None) -> tuple[list[int], di
         else:
             late[j0] = late.get(j0, 0) + 1
     return starts, late
+
+
+def growth_from_offsets(offsets: list[int], block_size: int) -> tuple[list[int], dict[int, int]]:
+    """`block_growth_steps` from the sequences' `KVManager.decode_block_offsets` (their j0)."""
+    starts = [0] * block_size
+    late: dict[int, int] = {}
+    for j0 in offsets:
+        if j0 < block_size:
+            starts[j0] += 1
+        else:
+            late[j0] = late.get(j0, 0) + 1
+    return starts, late
