@@ -317,7 +317,7 @@ def schedule_steady_step(sched: "Scheduler", plan: SteadyDecode, now: float) -> 
     offsets = plan.current_offsets(kv.block_size)
     # An offset 0: the sequence needs a block this step (schedule() would preempt if the
     # pool were short; a full contiguous region cannot grow at all).
-    if n > cfg.max_num_batched_tokens or (0 in offsets and kv.blocks_to_grow(seqs, 1) > kv.free_blocks()):
+    if n > cfg.max_num_batched_tokens or (0 in offsets and kv.steps_fitting(offsets, 1, kv.free_blocks()) < 1):
         return None
     # schedule()'s running pass: one token each, allocating (and publishing) in batch order.
     kv.advance_decodes(seqs, 1, offsets)

@@ -159,15 +159,8 @@ class KVCacheManager:
             self.pending_copies.append((src, dst))
         if need > 0:
             table.extend(gpu.allocate(need))
-        if self.enable_prefix_caching:
-            full = end // bs
-            registered = self._num_registered[seq.seq_id]
-            if full > registered:
-                hashes = self._extend_hashes(seq, full)
-                register = gpu.register
-                for i in range(registered, full):
-                    register(table[i], hashes[i])
-                self._num_registered[seq.seq_id] = full
+        if self.enable_prefix_caching and end // bs > self._num_registered[seq.seq_id]:
+            self._publish(seq, table, end // bs)
         return True
 
     def allocate_group(self, plan: list[tuple[Sequence, int]]) -> bool:
@@ -363,12 +356,22 @@ class KVCacheManager:
                 if is_alloc:
                     if len(table) * bs <= seq.num_computed_tokens + j:
                         table.extend(gpu.allocate(1))
+                    # A step that starts a block runs allocate_slots, which also publishes
+                    # full blocks still unpublished (a swapped-in table whose swap-in step
+                    # could not compute it): so here too.
+                    if registered[seq.seq_id] < (seq.num_computed_tokens + j + 1) // bs:
+                        self._publish(seq, table, (seq.num_computed_tokens + j + 1) // bs)
                 else:
-                    full = (seq.num_computed_tokens + j + 1) // bs
-                    hashes = self._extend_hashes(seq, full)
-                    for i in range(registered[seq.seq_id], full):
-                        gpu.register(table[i], hashes[i])
-                    registered[seq.seq_id] = full
+                    self._publish(seq, table, (seq.num_computed_tokens + j + 1) // bs)
+
+    def _publish(self, seq: Sequence, table: list[int], full: int) -> None:
+        """Publish the first `full` blocks of `seq` that are not yet in the cache index."""
+        hashes = self._extend_hashes(seq, full)
+        registered = self._num_registered
+        register = self.gpu.register
+        for i in range(registered[seq.seq_id], full):
+            register(table[i], hashes[i])
+        registered[seq.seq_id] = full
 
     # -- introspection ------------------------------------------------------------------
     def memory_breakdown(self, running: list[Request], waiting_head: Request | None = None) -> dict[str, int]:

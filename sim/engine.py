@@ -285,8 +285,12 @@ class SimEngine:
             prompt = synthetic_prompt(i, max(1, tr.prompt_len))
         if context is not None:
             prompt = context + prompt
-        return Request(tr.request_id, prompt, params, arrival_time=tr.arrival_time if arrival is None else arrival,
-                       eos_token_id=SIM_EOS_TOKEN_ID, user_data=i)
+        request = Request(tr.request_id, prompt, params, arrival_time=tr.arrival_time if arrival is None else arrival,
+                          eos_token_id=SIM_EOS_TOKEN_ID, user_data=i)
+        # Step end times go straight into a compact array (runs keep every record), while
+        # each span's times are fresh in the cache.
+        request.metrics.token_times = array("d")
+        return request
 
     def _intake(self, clock: float) -> None:
         """Add every request that has arrived by `clock` (trace order; then conversation
@@ -353,7 +357,8 @@ class SimEngine:
         if self.records[i] is not None:      # a rejection, already recorded on arrival
             return False
         rec = RequestRecord.from_request(request)
-        rec.token_times = array("d", rec.token_times)    # compact: runs keep every record
+        if type(rec.token_times) is not array:          # (made as one: see _make_request)
+            rec.token_times = array("d", rec.token_times)    # compact: runs keep every record
         self.records[i] = rec
         return True
 
