@@ -59,12 +59,12 @@ from sim.stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacit
 from traces import HashedBlockTokens, Trace
 
 # Synthetic prompts (traces without token ids): request i's prompt is the id
-# PROMPT_ID_BASE + i followed by 1, 2, 3, ... Chained block hashes cover everything
+# PROMPT_ID_BASE + i followed by 1, 1, 1, ... Chained block hashes cover everything
 # before a block, so a unique first token makes every block of the prompt unique
-# (no false prefix-cache hits); the shared tail is a slice of one list of small ints,
-# so building a prompt costs no per-token Python work. Never the EOS id (0).
+# (no false prefix-cache hits). The tail is one cached small int repeated: building and
+# copying a prompt costs no per-token Python work and touches no per-token object.
+# Never the EOS id (0).
 PROMPT_ID_BASE = 1 << 24
-_PROMPT_IDS: list[int] = []
 _REJECTED = RequestStatus.FINISHED_REJECTED
 # Re-derive the memory breakdown from the core after every skipped span and compare (an
 # O(running) self-check; on in the test suite, off by default for speed).
@@ -216,11 +216,8 @@ def _check_renewed(plan, fresh) -> None:
 
 def synthetic_prompt(index: int, length: int) -> list[int]:
     """The prompt ids the simulator uses for trace request `index` when the trace has none."""
-    ids = _PROMPT_IDS
-    if len(ids) < length:
-        ids.extend(range(len(ids), 2 * length))
-    prompt = ids[:length]                  # one copy: [0, 1, ..., length - 1]
-    prompt[0] = PROMPT_ID_BASE + index     # -> [PROMPT_ID_BASE + index, 1, ..., length - 1]
+    prompt = [1] * length                  # -> [PROMPT_ID_BASE + index, 1, ..., 1]
+    prompt[0] = PROMPT_ID_BASE + index
     return prompt
 
 
@@ -530,7 +527,7 @@ class SimEngine:
         used = used0 = sched.kv.gpu.num_used
         # Each step's memory sample follows from the state before the span (sim.memory.SpanModel);
         # one loop adds it and the time-weighted counts to the integrals, in step order.
-        span_model = SpanModel(sched, num_seqs, starts, late)
+        span_model = SpanModel(sched, num_seqs, starts, late, plan.offsets)
         tok0, res0, ext, free0, logical0, total = (span_model.tok, span_model.res, span_model.ext, span_model.free,
                                                    span_model.logical, span_model.total)
         res_step = num_seqs if span_model.reserves else 0

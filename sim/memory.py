@@ -56,15 +56,17 @@ class SpanModel:
 
     __slots__ = ("tok", "res", "internal", "ext", "free", "used", "logical", "n", "bs", "reserves", "total")
 
-    def __init__(self, scheduler, num_seqs: int, starts: list[int] | None = None, late: dict | None = None):
+    def __init__(self, scheduler, num_seqs: int, starts: list[int] | None = None, late: dict | None = None,
+                 offsets: list[int] | None = None):
         kv = scheduler.kv
         if starts is not None and not late and type(kv) is KVCacheManager and num_seqs == len(scheduler.running):
             # Paged, one sequence per request, tables covering their tokens exactly: a
             # sequence's unfilled tail is the j0 of `block_growth_steps` (what
-            # KVCacheManager.memory_breakdown adds up), so the sample needs no second scan.
+            # KVCacheManager.memory_breakdown adds up; `offsets`: the j0 themselves), so the
+            # sample needs no second scan.
             bs = kv.block_size
             used = kv.gpu.num_used
-            internal = sum(j * count for j, count in enumerate(starts) if count)
+            internal = sum(offsets) if offsets is not None else sum(j * count for j, count in enumerate(starts) if count)
             tok, res, ext, free = used * bs - internal, 0, 0, kv.gpu.num_free * bs
             logical = sum(map(len, kv.tables.values()))
         else:
