@@ -115,9 +115,13 @@ class KVCacheManager:
         """Could this new work be allocated now, leaving the watermark free (unless told
         not to: an idle engine has no growth to protect)? Cached blocks several sequences
         hit (a recomputed n > 1 or beam request) are revived once."""
-        ref = self.gpu.ref_cnt
-        revived = {b for _, _, cached in plan for b in cached if ref[b] == 0}
-        need = sum(self._fresh_blocks(seq, n, cached) for seq, n, cached in plan) + len(revived)
+        if len(plan) == 1 and not plan[0][2]:          # one sequence, no prefix hits: the common case
+            seq, n, _ = plan[0]
+            need = self._fresh_blocks(seq, n)
+        else:
+            ref = self.gpu.ref_cnt
+            revived = {b for _, _, cached in plan for b in cached if ref[b] == 0}
+            need = sum(self._fresh_blocks(seq, n, cached) for seq, n, cached in plan) + len(revived)
         return self._leaves_watermark(need) if keep_watermark else self.gpu.num_free >= need
 
     def _leaves_watermark(self, num_blocks: int) -> bool:
