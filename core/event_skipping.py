@@ -212,7 +212,8 @@ def steady_decode_shape(sched: "Scheduler") -> tuple[int, int]:
 
 def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
                  token_fn: Callable[[Sequence, int, int], list[int]],
-                 plan: SteadyDecode | None = None) -> StepResult:
+                 plan: SteadyDecode | None = None,
+                 extend_tokens: Callable[[list[Sequence], int], None] | None = None) -> StepResult:
     """Apply k steady decode steps at once (k <= steady_decode_horizon(sched, ...)).
 
     Blocks are allocated and published in exactly the order k single steps would use
@@ -221,7 +222,9 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
     Sequences at their length limit after the k-th step finish as `update()` finishes
     them (in batch order, freeing blocks in the same order); their requests are returned.
     `plan`: this state's `steady_decode_plan` (its steps applied so far counted in
-    plan.applied), which spares a pass over the running sequences.
+    plan.applied), which spares a pass over the running sequences; with it,
+    `extend_tokens(seqs, k)` (if given) appends token_fn's k tokens to every sequence
+    in one call.
     """
     if k <= 0:
         return StepResult(updated=[], finished=[])
@@ -230,11 +233,14 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
         seqs = plan.seqs
         plan.applied += k
         applied = plan.applied
-        for seq, left in zip(seqs, plan.lefts):
-            tokens = seq.token_ids
-            tokens.extend(token_fn(seq, len(tokens), k))
-            if left <= applied:
-                done.append(seq)
+        if extend_tokens is not None:
+            extend_tokens(seqs, k)
+        else:
+            for seq in seqs:
+                tokens = seq.token_ids
+                tokens.extend(token_fn(seq, len(tokens), k))
+        if applied >= plan.first_finish:
+            done = [seq for seq, left in zip(seqs, plan.lefts) if left <= applied]
     else:
         max_len = sched.config.max_model_len
         seqs = []
@@ -337,14 +343,18 @@ def schedule_steady_step(sched: "Scheduler", plan: SteadyDecode, now: float) -> 
 
 
 def update_steady_step(sched: "Scheduler", step: SteadyStep, result: ModelRunnerOutput, now: float,
-                       token_fn: Callable[[Sequence, int, int], list[int]]) -> StepResult:
+                       token_fn: Callable[[Sequence, int, int], list[int]],
+                       extend_tokens: Callable[[list[Sequence], int], None] | None = None) -> StepResult:
     """`update()` for a `SteadyStep`: the decodes append token_fn's token (no sequence
     finishes: see schedule_steady_step), then `result` (tokens of `step.out`'s slices) is
     applied as update() applies it. The plan counts the step as applied; the admitted
     requests join it through `renew_steady_plan(..., admitted=step.out.admitted)`."""
-    for seq in step.plan.seqs:
-        tokens = seq.token_ids
-        tokens.extend(token_fn(seq, len(tokens), 1))
+    if extend_tokens is not None:
+        extend_tokens(step.plan.seqs, 1)
+    else:
+        for seq in step.plan.seqs:
+            tokens = seq.token_ids
+            tokens.extend(token_fn(seq, len(tokens), 1))
     running = sched.running
     for i in range(step.num_running):
         m = running[i].metrics

@@ -421,7 +421,7 @@ class SimEngine:
         arrivals, n_total = self.arrivals, len(self.arrivals)
         skipping = self.event_skipping
         step_time, execute, update, schedule = ex.step_time, ex.execute_model, sched.update, sched.schedule
-        token_ids = ex.token_ids
+        token_ids, extend_tokens = ex.token_ids, ex.extend_tokens
         account, timeseries = self._account, self.timeseries
         mem_add = self.memory.add
         pbar = self._pbar
@@ -476,7 +476,7 @@ class SimEngine:
             if step is None:
                 self._finish(update(out, result, end).finished)
             else:
-                self._finish(update_steady_step(sched, step, result, end, token_ids).finished)
+                self._finish(update_steady_step(sched, step, result, end, token_ids, extend_tokens).finished)
                 self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted)
             if skipping and sched.requests:
                 self._skip()
@@ -604,7 +604,7 @@ class SimEngine:
         self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs, num_seqs, 0,
                                 (m0 - mem_before[0]) / span, (m1 - mem_before[1]) / span,
                                 (m2 - mem_before[2]) / span, (m3 - mem_before[3]) / span))
-        finished = fast_forward(sched, k, ends, self.executor.token_ids, plan).finished
+        finished = fast_forward(sched, k, ends, self.executor.token_ids, plan, self.executor.extend_tokens).finished
         # Sequences that finished (n > 1 samples may finish apart) gave their blocks back:
         # the state is then past the span's last step.
         shrunk = k >= plan.first_finish

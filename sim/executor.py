@@ -124,6 +124,18 @@ class SimExecutor:
             start = 0
         return out
 
+    def extend_tokens(self, seqs: list[Sequence], count: int) -> None:
+        """Append `token_ids(seq, len(seq.token_ids), count)` to every sequence of `seqs`
+        (`core.event_skipping.fast_forward`'s `extend_tokens`)."""
+        base, table, mod = self.seq_id_base, _TOKEN_TABLE, TOKEN_MODULUS
+        for seq in seqs:
+            tokens = seq.token_ids
+            start = ((seq.seq_id - base) * _SEQ_STRIDE + len(tokens)) % mod
+            if start + count <= mod:
+                tokens += table[start:start + count]
+            else:
+                tokens += self.token_ids(seq, len(tokens), count)
+
     def beam_candidates(self, seq: Sequence, position: int, count: int) -> tuple[list[int], list[float]]:
         """The random beam model: `count` distinct tokens, best first. Candidate j has
         logprob -(E_0 + ... + E_j) / 2 with E_i ~ Exp(1) drawn from
