@@ -546,22 +546,28 @@ class SimEngine:
         g = used0 - logical0                           # logical blocks = used - g
         while True:
             if lean:
+                # free = free0 - bs * (used - used0) and used - g kept as they change (the
+                # same integers, so the same products and sums).
+                free, used_g = free0 - bs * (used - used0), used - g
                 for dt in durations:
                     if t >= limit:
                         break
                     if late and i in late:
                         starts[i % bs] += late.pop(i)
-                    used += starts[i % bs]
+                    grow = starts[i % bs]
+                    if grow:
+                        used += grow
+                        free -= bs * grow
+                        used_g += grow
                     used_dt = used * dt
                     w_used += used_dt
                     w_run += running * dt
                     tok += num_seqs
-                    free = free0 - bs * (used - used0)
                     m0 += tok * dt
                     m2 += (total - tok - free) * dt
                     m4 += free * dt
                     m5 += used_dt
-                    m6 += (used - g) * dt
+                    m6 += used_g * dt
                     t = t + dt
                     append(t)
                     i += 1
