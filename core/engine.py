@@ -77,7 +77,9 @@ class EngineCore:
     def step(self) -> StepResult:
         if self.max_concurrent_batches == 1:
             out = self.scheduler.schedule(self.clock())
-            result = self.executor.execute_model(out) if not out.is_empty else _EMPTY
+            # Requests that left since the last step reach the executor too (its runner drops
+            # their state), even when nothing else runs.
+            result = self.executor.execute_model(out) if not out.is_empty or out.finished_request_ids else _EMPTY
             return self.scheduler.update(out, result, self.clock())
         return self._pipelined_step()
 

@@ -61,7 +61,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out
+        """Nothing for the executor to do: no slice to compute and no block to move or
+        copy (a step whose only work is a swap-in still moves the blocks)."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
     @property
     def num_seqs(self) -> int:
