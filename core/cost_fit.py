@@ -13,6 +13,10 @@ features that reach near the best error win, so a term is kept only if it predic
 The richest family adds a table over the token count (bumps on the profiled counts,
 TABLE_FAMILY), still linear in its coefficients.
 
+A served calibration (`fit_served_scale`, section "served") scales the whole step by a
+measured served/profiled ratio per phase (or phase and batch-size bucket); a "client"
+section holds the delays a streaming client adds to the first and last token.
+
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
 step faster; a negative term is dropped and the rest refitted).

@@ -7,9 +7,12 @@ serve` (HTTP and streaming in the loop; Poisson arrivals at --rate with --seed).
 subprocesses: the simulator never imports the real engine.
 
 Sim side: the first real run's step log gives each request's arrival time (when it
-reached the server: it may wait there for the step in flight), prompt token ids and
-output length, and the engine's scheduler and cache configuration; the simulator runs
-exactly that workload with the fitted cost model.
+reached the server: it may wait there for the step in flight), prompt token ids, output
+length and which output token first had text, and the engine's scheduler and cache
+configuration; the simulator runs exactly that workload with the fitted cost model. Its
+latencies are taken as a streaming client sees them: the first token is the first with
+text (the server sends no chunk for a token without text, e.g. a leading special token),
+plus the cost model's client delays (`sim calibrate`; 0 without).
 
 Report: output throughput and TTFT, TPOT and E2E latency at median and p90 (client-side,
 from bench serve) of every real run, their mean, and the simulator's relative error
