@@ -249,6 +249,7 @@ def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_pa
     assert report["contention_scale"] == pytest.approx(2 / sum(report["cpu_share"]))
     assert all(m["server_cpu_s"] > 0 and m["client_cpu_s"] > 0 for m in report["machine"])
     assert (out / "validate.png").stat().st_size > 10_000
+    assert "startup objects kept out of the garbage collector" in (out / "real1.server.log").read_text()
     _, trace, _ = workload_from_log(out / "real1.steps.jsonl")     # the simulated workload is the served one
     bench = json.loads((out / "real1.bench.json").read_text())
     assert sorted(r.output_len for r in trace.requests) == sorted(bench["output_lens"])
@@ -753,3 +754,26 @@ def test_calibrate_serves_a_disjoint_slice_and_fits_the_served_steps(tiny, tiny_
     assert model["client"]["n"] >= 1 and model["calibration"]["skip"] == 30
     ev, grid = StepCostEvaluator(model), StepCostEvaluator(json.loads(prof.read_text()))
     assert ev.grid_step_time(1, 1, 10, 11) == pytest.approx(grid.step_time(1, 1, 10, 11))
+
+
+def test_freezing_the_startup_heap_takes_it_out_of_full_collections_but_collects_new_garbage():
+    import gc
+    import weakref
+
+    from realexec.engine import freeze_startup_heap
+
+    class Node:
+        pass
+    gc.collect()
+    tracked = len(gc.get_objects())
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen >= 0.9 * tracked and len(gc.get_objects()) < 0.1 * tracked
+        node = Node()
+        node.self = node                     # a cycle made after the freeze: still garbage-collected
+        gone = weakref.ref(node)
+        del node
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
