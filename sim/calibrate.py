@@ -31,6 +31,7 @@ from core.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
 
 DEFAULT_SKIP = 100          # calibration requests start here: past every validation slice in the README
+DEFAULT_LOADS = ["0.5:10", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
 
 
 def parse_load(text: str) -> dict:
@@ -64,9 +65,6 @@ def add_parser(sub) -> None:
     p.add_argument("--work", default=None, metavar="DIR",
                    help="step logs and bench results of the calibration runs (default: OUT's name + .runs/)")
     p.add_argument("--reuse-real", action="store_true", help="fit on the runs already in --work")
-
-
-DEFAULT_LOADS = ["0.5:10", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]
 
 
 def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> list[tuple[str, int, float, float]]:
