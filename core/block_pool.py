@@ -81,13 +81,22 @@ class BlockPool:
         """Drop one reference from each block, in the given order (= eviction order:
         callers pass a table tail-first so a request's last blocks are evicted first)."""
         ref, hashes, evictor, free = self.ref_cnt, self.block_hash, self.evictor, self._free
+        if evictor is None:                       # a pool that never caches (the common sim case)
+            for b in block_ids:
+                r = ref[b] - 1
+                if r < 0:
+                    raise RuntimeError(f"{self.name} pool: double free of block {b}")
+                ref[b] = r
+                if r == 0:
+                    free.append(b)
+            return
         for b in block_ids:
             r = ref[b] - 1
             if r < 0:
                 raise RuntimeError(f"{self.name} pool: double free of block {b}")
             ref[b] = r
             if r == 0:
-                if hashes[b] is not None and evictor is not None:
+                if hashes[b] is not None:
                     evictor.add(b)
                 else:
                     free.append(b)

@@ -241,17 +241,19 @@ class ContiguousKVCacheManager:
     def free_blocks(self, evicting: bool = True) -> int:
         return self.gpu.num_free
 
-    def decode_steps_fitting(self, seqs: list[Sequence], max_steps: int, free: int) -> int:
-        """Regions never grow: as far as the fullest region lets every sequence go."""
-        slots = self.block_size
-        k = max_steps
-        for s in seqs:
-            room = len(self.tables[s.seq_id]) * slots - s.num_computed_tokens
-            if room < k:
-                k = room
-        return max(k, 0)
+    def decode_block_offsets(self, seqs: list[Sequence]) -> list[int] | None:
+        """The room left in each region (a region never grows: steps past it cannot run)."""
+        slots, tables = self.block_size, self.tables
+        return [len(tables[s.seq_id]) * slots - s.num_computed_tokens for s in seqs]
 
-    def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
+    def steps_fitting(self, offsets: list[int], max_steps: int, free: int) -> int:
+        """Regions never grow: as far as the fullest region lets every sequence go."""
+        return max(min(max_steps, min(offsets, default=max_steps)), 0)
+
+    def decode_steps_fitting(self, seqs: list[Sequence], max_steps: int, free: int) -> int:
+        return self.steps_fitting(self.decode_block_offsets(seqs), max_steps, free)
+
+    def advance_decodes(self, seqs: list[Sequence], num_steps: int, offsets: list[int] | None = None) -> None:
         """Nothing to allocate: the regions already cover the span (`blocks_to_grow` is 0)."""
 
     # -- introspection ------------------------------------------------------------------------

@@ -13,34 +13,51 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from core.outputs import StepResult
-from core.request import Request, Sequence
+from core.outputs import ModelRunnerOutput, SchedulerOutput, StepResult
+from core.request import Request, RequestStatus, Sequence
 from core.stop import stop_status
 
 if TYPE_CHECKING:
     from core.scheduler import Scheduler
 
+RUNNING = RequestStatus.RUNNING
+
 
 class SteadyDecode:
-    """What one pass over the running sequences tells about the next steady decode span.
+    """What a pass over the running sequences tells about the next steady decode span.
 
     seqs: the running sequences in batch order; lefts: each one's steps to its length
-    limit; context_sum: their cached tokens (the next step's shape is (num_seqs,
-    context_sum)); horizon: as `steady_decode_horizon`. `fast_forward` takes it to skip its
-    own pass; `applied` counts the steps it applied so far (a span may be applied in pieces);
-    first_finish: the step count after which the first sequences reach their limit.
-    Valid until anything but `fast_forward` changes the scheduler."""
+    limit; offsets: each one's `KVManager.decode_block_offsets` (when it takes its next
+    block); context_sum: their cached tokens (the next step's shape is (num_seqs,
+    context_sum)); horizon: as `steady_decode_horizon` (0: no span can start now, though
+    every sequence is a plain decode); first_finish: the step count after which the first
+    sequences reach their limit. `fast_forward` takes it to skip its own pass; `applied`
+    counts the steps applied through it so far (a span may be applied in pieces). Valid
+    until anything but `fast_forward`, `schedule_steady_step`/`update_steady_step` or
+    `add_request` changes the scheduler; `renew_steady_plan` then gives the next span's
+    plan without a pass over every sequence."""
 
-    __slots__ = ("horizon", "seqs", "lefts", "num_seqs", "context_sum", "first_finish", "applied")
+    __slots__ = ("horizon", "seqs", "lefts", "offsets", "num_seqs", "num_requests", "context_sum", "first_finish",
+                 "applied")
 
-    def __init__(self, horizon: int, seqs: list[Sequence], lefts: list[int], context_sum: int, first_finish: int):
+    def __init__(self, horizon: int, seqs: list[Sequence], lefts: list[int], offsets: list[int],
+                 context_sum: int, num_requests: int):
         self.horizon = horizon
         self.seqs = seqs
         self.lefts = lefts
+        self.offsets = offsets
         self.num_seqs = len(seqs)
+        self.num_requests = num_requests
         self.context_sum = context_sum
-        self.first_finish = first_finish
+        self.first_finish = min(lefts)
         self.applied = 0
+
+    def current_offsets(self, block_size: int) -> list[int]:
+        """`offsets` after the `applied` steps."""
+        a = self.applied
+        if not a:
+            return self.offsets
+        return [j - a if a <= j else (j - a) % block_size for j in self.offsets]
 
 
 def steady_decode_horizon(sched: "Scheduler", through_finishes: bool = False) -> int:
@@ -68,48 +85,119 @@ def steady_decode_horizon(sched: "Scheduler", through_finishes: bool = False) ->
 
 def steady_decode_plan(sched: "Scheduler", through_finishes: bool = False) -> SteadyDecode | None:
     """`steady_decode_horizon` with what the pass saw (None when the horizon is 0)."""
+    plan = describe_steady_decode(sched, through_finishes)
+    return plan if plan is not None and plan.horizon > 0 else None
+
+
+def describe_steady_decode(sched: "Scheduler", through_finishes: bool = False) -> SteadyDecode | None:
+    """The running sequences as a `SteadyDecode` when every one of them is a plain decode
+    (one known token to compute, no beams, stop tokens or EOS, no copy-on-write next),
+    with its span horizon (possibly 0); None when they are not."""
     running = sched.running
     if not running or sched.has_unreported_finishes:
         return None
-    cfg, kv = sched.config, sched.kv
-    max_len = cfg.max_model_len
-    horizon = max_len
-    last = 0 if through_finishes else 1          # 1: the step that finishes is run normally
+    max_len = sched.config.max_model_len
     seqs: list[Sequence] = []
     lefts: list[int] = []
     context_sum = 0
     for request in running:
-        params = request.params
-        if params.beam_width or not params.ignore_eos or params.stop_token_ids or \
-                (params.n > 1 and not request._forked):
+        context_sum = _add_decodes(request, max_len, seqs, lefts, context_sum)
+        if context_sum < 0:
             return None
-        max_tokens = params.max_tokens
-        for seq in request.seqs:
-            n = len(seq.token_ids)
-            c = seq.num_computed_tokens
-            if n - c != 1:
-                return None                           # not a decode
-            left = max_len - n
-            if max_tokens is not None and max_tokens - (n - seq.num_prompt_tokens) < left:
-                left = max_tokens - (n - seq.num_prompt_tokens)
-            if left - last < horizon:
-                horizon = left - last
-            seqs.append(seq)
-            lefts.append(left)
-            context_sum += c
-    if horizon <= 0 or len(seqs) > cfg.max_num_batched_tokens:
+    offsets = sched.kv.decode_block_offsets(seqs)
+    if offsets is None:
         return None
+    plan = SteadyDecode(0, seqs, lefts, offsets, context_sum, len(running))
+    plan.horizon = _horizon(sched, plan, through_finishes)
+    return plan
+
+
+def _add_decodes(request: Request, max_len: int, seqs: list[Sequence], lefts: list[int], context_sum: int) -> int:
+    """Append the request's sequences and their steps to the length limit; returns the new
+    context sum, or -1 if one of them is not a plain decode."""
+    params = request.params
+    if params.beam_width or not params.ignore_eos or params.stop_token_ids or \
+            (params.n > 1 and not request._forked):
+        return -1
+    max_tokens = params.max_tokens
+    for seq in request.seqs:
+        n = len(seq.token_ids)
+        c = seq.num_computed_tokens
+        if n - c != 1:
+            return -1                                 # not a decode
+        left = max_len - n
+        if max_tokens is not None and max_tokens - (n - seq.num_prompt_tokens) < left:
+            left = max_tokens - (n - seq.num_prompt_tokens)
+        seqs.append(seq)
+        lefts.append(left)
+        context_sum += c
+    return context_sum
+
+
+def _horizon(sched: "Scheduler", plan: SteadyDecode, through_finishes: bool) -> int:
+    """The span horizon of a fresh (nothing applied) plan of the scheduler's state."""
+    cfg, kv = sched.config, sched.kv
+    horizon = plan.first_finish - (0 if through_finishes else 1)   # 1: the finishing step runs normally
+    if horizon <= 0 or plan.num_seqs > cfg.max_num_batched_tokens:
+        return 0
     if sched.swapped:
         if kv.can_swap_in(sched.swapped[0].seqs):
-            return None
-    elif len(sched.waiting) and sched.admits_next(cfg.max_num_batched_tokens - len(seqs)):
-        return None
+            return 0
+    elif len(sched.waiting) and sched.admits_next(cfg.max_num_batched_tokens - plan.num_seqs):
+        return 0
     free = kv.free_blocks(evicting=not (kv.enable_prefix_caching and len(sched.waiting) and not sched.swapped))
-    # Largest k whose block growth fits the free pool; 0 if the next step copies on write.
-    horizon = kv.decode_steps_fitting(seqs, horizon, free)
-    if horizon <= 0:
+    # Largest k whose block growth fits the free pool.
+    return max(kv.steps_fitting(plan.offsets, horizon, free), 0)
+
+
+def renew_steady_plan(sched: "Scheduler", plan: SteadyDecode, through_finishes: bool = False,
+                      admitted: list[Request] = ()) -> SteadyDecode | None:
+    """The next span's plan from the previous one (`describe_steady_decode`'s result),
+    after its steps were applied (`fast_forward`, ending in finishes or not) and possibly
+    a `schedule_steady_step` that admitted `admitted`: the finished sequences leave, the
+    admitted ones join, the rest are rebased by the steps applied; only the joining
+    requests are examined. None when the scheduler is no longer a plain decode state."""
+    if sched.has_unreported_finishes or sched._in_flight:
         return None
-    return SteadyDecode(horizon, seqs, lefts, context_sum, min(lefts))
+    a = plan.applied
+    bs = sched.kv.block_size
+    seqs, lefts, offsets = plan.seqs, plan.lefts, plan.offsets
+    context_sum = plan.context_sum + a * plan.num_seqs
+    num_requests = plan.num_requests
+    if plan.first_finish <= a:                          # the last application finished some
+        keep = [i for i, seq in enumerate(seqs) if seq.status is RUNNING]
+        context_sum -= sum(seq.num_computed_tokens for seq in seqs if seq.status is not RUNNING)
+        seqs = [seqs[i] for i in keep]
+        lefts = [lefts[i] - a for i in keep]
+        offsets = [offsets[i] for i in keep]
+        num_requests = len(seqs) if num_requests == plan.num_seqs else len({seq.request for seq in seqs})
+    else:
+        if admitted:
+            seqs = list(seqs)
+        lefts = [left - a for left in lefts]
+    if a:
+        offsets = [j - a if a <= j else (j - a) % bs for j in offsets]
+    elif offsets is plan.offsets:
+        offsets = list(offsets)
+    if admitted:
+        max_len = sched.config.max_model_len
+        first = len(seqs)
+        for request in admitted:
+            if request.status is not RUNNING:
+                continue                                # finished at once (its first token was its last)
+            context_sum = _add_decodes(request, max_len, seqs, lefts, context_sum)
+            if context_sum < 0:
+                return None
+            num_requests += 1
+        more = sched.kv.decode_block_offsets(seqs[first:])
+        if more is None:
+            return None
+        offsets += more
+    if not seqs or num_requests != len(sched.running):
+        return None
+    renewed = SteadyDecode(0, seqs, lefts, offsets, context_sum, num_requests)
+    renewed.horizon = _horizon(sched, renewed, through_finishes)
+    return renewed
 
 
 def steady_decode_shape(sched: "Scheduler") -> tuple[int, int]:
@@ -159,7 +247,13 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
                 n = len(tokens)
                 if stop_status(params, None, None, n - seq.num_prompt_tokens, n, max_len) is not None:
                     done.append(seq)
-    sched.kv.advance_decodes(seqs, k)
+    if plan is not None:
+        applied -= k                              # the steps applied before these
+        offsets = plan.offsets if not applied else [
+            j - applied if applied <= j else (j - applied) % sched.kv.block_size for j in plan.offsets]
+        sched.kv.advance_decodes(seqs, k, offsets)
+    else:
+        sched.kv.advance_decodes(seqs, k)
     for seq in seqs:
         seq.num_computed_tokens += k
     times = step_end_times[:k] if len(step_end_times) != k else step_end_times
@@ -175,7 +269,91 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
     updated = list(running)
     if not done:
         return StepResult(updated=updated, finished=[])
-    return StepResult(updated=updated, finished=sched.finish_at_length(done, updated, last))
+    return StepResult(updated=updated, finished=sched.finish_at_length(done, last))
+
+
+class SteadyStep:
+    """A step scheduled by `schedule_steady_step`: every sequence of `plan` decodes one
+    token (not listed as slices: num_decodes sequences with decode_context_sum cached
+    tokens, batch order first), then `out.scheduled` holds what schedule() would add after
+    them (admissions). `num_running`: the running requests before the admissions."""
+
+    __slots__ = ("plan", "out", "num_decodes", "decode_context_sum", "num_running")
+
+    def __init__(self, plan: SteadyDecode, out: SchedulerOutput, decode_context_sum: int, num_running: int):
+        self.plan = plan
+        self.out = out
+        self.num_decodes = plan.num_seqs
+        self.decode_context_sum = decode_context_sum
+        self.num_running = num_running
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + len(self.out.scheduled)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_decodes + self.out.num_batched_tokens
+
+
+def schedule_steady_step(sched: "Scheduler", plan: SteadyDecode, now: float) -> SteadyStep | None:
+    """`schedule()` for the step after a steady decode span, when requests arrived: the
+    plan's sequences decode one token each and the waiting queue is admitted after them,
+    as schedule() would do it (same allocations in the same order, same admissions), but
+    without a pass building the decodes' slices. None (nothing changed) when the step is
+    not of that kind: a sequence would reach its length limit in it, the decodes' block
+    growth does not fit the pool (schedule() would preempt), requests are swapped out or
+    in flight, or finishes are unreported.
+
+    `plan` must still describe the scheduler: nothing but `fast_forward(..., plan)` (no
+    finish) and `add_request` changed it since `steady_decode_plan` returned it. The
+    simulator uses this for the steps that admit arrivals; `update_steady_step` applies it.
+    """
+    if plan.first_finish - plan.applied < 2 or sched.swapped or sched._in_flight or sched._finished:
+        return None
+    kv, cfg = sched.kv, sched.config
+    seqs = plan.seqs
+    n = plan.num_seqs
+    offsets = plan.current_offsets(kv.block_size)
+    # An offset 0: the sequence needs a block this step (schedule() would preempt if the
+    # pool were short; a full contiguous region cannot grow at all).
+    if n > cfg.max_num_batched_tokens or (0 in offsets and kv.steps_fitting(offsets, 1, kv.free_blocks()) < 1):
+        return None
+    # schedule()'s running pass: one token each, allocating (and publishing) in batch order.
+    kv.advance_decodes(seqs, 1, offsets)
+    for seq in seqs:
+        seq.num_computed_tokens += 1
+    context_sum = plan.context_sum + plan.applied * n
+    plan.applied += 1
+    out = SchedulerOutput()
+    out.finished_request_ids, sched._finished_ids = sched._finished_ids, []
+    num_running = len(sched.running)
+    budget = cfg.max_num_batched_tokens - n
+    if budget > 0:
+        sched._admit(budget, out, now, seated=n)
+    out.blocks_to_copy = kv.drain_copies()
+    sched.num_steps += 1
+    return SteadyStep(plan, out, context_sum, num_running)
+
+
+def update_steady_step(sched: "Scheduler", step: SteadyStep, result: ModelRunnerOutput, now: float,
+                       token_fn: Callable[[Sequence, int, int], list[int]]) -> StepResult:
+    """`update()` for a `SteadyStep`: the decodes append token_fn's token (no sequence
+    finishes: see schedule_steady_step), then `result` (tokens of `step.out`'s slices) is
+    applied as update() applies it. The plan counts the step as applied; the admitted
+    requests join it through `renew_steady_plan(..., admitted=step.out.admitted)`."""
+    for seq in step.plan.seqs:
+        tokens = seq.token_ids
+        tokens.extend(token_fn(seq, len(tokens), 1))
+    running = sched.running
+    for i in range(step.num_running):
+        m = running[i].metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+        m.last_token_time = now
+    rest = sched.update(step.out, result, now)
+    return StepResult(updated=running[:step.num_running] + rest.updated, finished=rest.finished)
 
 
 def memory_breakdown(sched: "Scheduler") -> dict[str, int]:

@@ -115,9 +115,13 @@ class KVCacheManager:
         """Could this new work be allocated now, leaving the watermark free (unless told
         not to: an idle engine has no growth to protect)? Cached blocks several sequences
         hit (a recomputed n > 1 or beam request) are revived once."""
-        ref = self.gpu.ref_cnt
-        revived = {b for _, _, cached in plan for b in cached if ref[b] == 0}
-        need = sum(self._fresh_blocks(seq, n, cached) for seq, n, cached in plan) + len(revived)
+        if len(plan) == 1 and not plan[0][2]:          # one sequence, no prefix hits: the common case
+            seq, n, _ = plan[0]
+            need = self._fresh_blocks(seq, n)
+        else:
+            ref = self.gpu.ref_cnt
+            revived = {b for _, _, cached in plan for b in cached if ref[b] == 0}
+            need = sum(self._fresh_blocks(seq, n, cached) for seq, n, cached in plan) + len(revived)
         return self._leaves_watermark(need) if keep_watermark else self.gpu.num_free >= need
 
     def _leaves_watermark(self, num_blocks: int) -> bool:
@@ -159,15 +163,8 @@ class KVCacheManager:
             self.pending_copies.append((src, dst))
         if need > 0:
             table.extend(gpu.allocate(need))
-        if self.enable_prefix_caching:
-            full = end // bs
-            registered = self._num_registered[seq.seq_id]
-            if full > registered:
-                hashes = self._extend_hashes(seq, full)
-                register = gpu.register
-                for i in range(registered, full):
-                    register(table[i], hashes[i])
-                self._num_registered[seq.seq_id] = full
+        if self.enable_prefix_caching and end // bs > self._num_registered[seq.seq_id]:
+            self._publish(seq, table, end // bs)
         return True
 
     def allocate_group(self, plan: list[tuple[Sequence, int]]) -> bool:
@@ -282,26 +279,34 @@ class KVCacheManager:
         bs, tables = self.block_size, self.tables
         return sum(max(0, -(-(s.num_computed_tokens + num_steps) // bs) - len(tables[s.seq_id])) for s in seqs)
 
-    def decode_steps_fitting(self, seqs: list[Sequence], max_steps: int, free: int) -> int:
-        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+    def decode_block_offsets(self, seqs: list[Sequence]) -> list[int] | None:
         # A sequence with c cached tokens and b blocks takes its next block at step
-        # j0 = b * bs - c, then every bs steps: k steps take ceil((k - j0) / bs) if k > j0.
-        firsts: list[int] = []
-        need = 0
+        # j0 = b * bs - c (0 = the next step), then every bs steps.
+        bs, ref, tables = self.block_size, self._gpu_ref_cnt, self.tables
+        offsets: list[int] = []
+        append = offsets.append
         for s in seqs:
             table = tables[s.seq_id]
             c = s.num_computed_tokens
             if c % bs and ref[table[-1]] > 1:
-                return 0                                  # the next step copies on write
-            j0 = len(table) * bs - c
-            firsts.append(j0)
+                return None                               # the next step copies on write
+            append(len(table) * bs - c)
+        return offsets
+
+    def steps_fitting(self, offsets: list[int], max_steps: int, free: int) -> int:
+        bs = self.block_size
+        # k steps take ceil((k - j0) / bs) blocks per sequence with j0 < k: at most ceil(k / bs).
+        if len(offsets) * -(-max_steps // bs) <= free:
+            return max_steps
+        need = 0
+        for j0 in offsets:
             if j0 < max_steps:
                 need += (max_steps - j0 + bs - 1) // bs
         if need <= free:
             return max_steps
 
         def growth(k: int) -> int:
-            return sum((k - j0 + bs - 1) // bs for j0 in firsts if j0 < k)
+            return sum((k - j0 + bs - 1) // bs for j0 in offsets if j0 < k)
 
         lo, hi = 0, max_steps                             # growth(lo) fits, growth(hi) does not
         while hi - lo > 1:
@@ -312,7 +317,11 @@ class KVCacheManager:
                 hi = mid
         return lo
 
-    def advance_decodes(self, seqs: list[Sequence], num_steps: int) -> None:
+    def decode_steps_fitting(self, seqs: list[Sequence], max_steps: int, free: int) -> int:
+        offsets = self.decode_block_offsets(seqs)
+        return 0 if offsets is None else self.steps_fitting(offsets, max_steps, free)
+
+    def advance_decodes(self, seqs: list[Sequence], num_steps: int, offsets: list[int] | None = None) -> None:
         bs, gpu, tables = self.block_size, self.gpu, self.tables
         caching = self.enable_prefix_caching
         if not caching:
@@ -321,11 +330,14 @@ class KVCacheManager:
             # tokens takes them at steps b * bs - c, + bs, ... So the span's allocations in
             # (step, batch index) order, handed out by one bulk allocate, get the same ids
             # as the single steps' allocations (the free stack pops in the same order).
+            if offsets is None:
+                offsets = [len(tables[seq.seq_id]) * bs - seq.num_computed_tokens for seq in seqs]
             takers: list[tuple[int, int, list[int]]] = []
-            for i, seq in enumerate(seqs):
-                table = tables[seq.seq_id]
-                for j in range(len(table) * bs - seq.num_computed_tokens, num_steps, bs):
-                    takers.append((j, i, table))
+            for i, j0 in enumerate(offsets):
+                if j0 < num_steps:
+                    table = tables[seqs[i].seq_id]
+                    for j in range(j0, num_steps, bs):
+                        takers.append((j, i, table))
             if takers:
                 takers.sort(key=_step_and_index)
                 for (_, _, table), block in zip(takers, gpu.allocate(len(takers))):
@@ -348,12 +360,22 @@ class KVCacheManager:
                 if is_alloc:
                     if len(table) * bs <= seq.num_computed_tokens + j:
                         table.extend(gpu.allocate(1))
+                    # A step that starts a block runs allocate_slots, which also publishes
+                    # full blocks still unpublished (a swapped-in table whose swap-in step
+                    # could not compute it): so here too.
+                    if registered[seq.seq_id] < (seq.num_computed_tokens + j + 1) // bs:
+                        self._publish(seq, table, (seq.num_computed_tokens + j + 1) // bs)
                 else:
-                    full = (seq.num_computed_tokens + j + 1) // bs
-                    hashes = self._extend_hashes(seq, full)
-                    for i in range(registered[seq.seq_id], full):
-                        gpu.register(table[i], hashes[i])
-                    registered[seq.seq_id] = full
+                    self._publish(seq, table, (seq.num_computed_tokens + j + 1) // bs)
+
+    def _publish(self, seq: Sequence, table: list[int], full: int) -> None:
+        """Publish the first `full` blocks of `seq` that are not yet in the cache index."""
+        hashes = self._extend_hashes(seq, full)
+        registered = self._num_registered
+        register = self.gpu.register
+        for i in range(registered[seq.seq_id], full):
+            register(table[i], hashes[i])
+        registered[seq.seq_id] = full
 
     # -- introspection ------------------------------------------------------------------
     def memory_breakdown(self, running: list[Request], waiting_head: Request | None = None) -> dict[str, int]:

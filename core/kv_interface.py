@@ -88,13 +88,23 @@ class KVManager(Protocol):
         """Blocks `num_steps` more decode tokens per sequence would take from the free pool."""
     def free_blocks(self, evicting: bool = True) -> int:
         """Blocks an allocation can take now; `evicting=False`: without evicting a cached block."""
+    def decode_block_offsets(self, seqs: list["Sequence"]) -> list[int] | None:
+        """Per sequence, the decode step (0 = the next) at which it first needs a block it
+        does not hold (paged: then every block_size steps; contiguous: never, steps past
+        it cannot run); None if `writes_into_shared_block(seqs)`. After k steps an offset
+        j becomes j - k if k <= j, else (j - k) mod block_size."""
+    def steps_fitting(self, offsets: list[int], max_steps: int, free: int) -> int:
+        """The largest k <= max_steps such that k more decode tokens per sequence (at these
+        `decode_block_offsets`) take at most `free` blocks."""
     def decode_steps_fitting(self, seqs: list["Sequence"], max_steps: int, free: int) -> int:
         """The largest k <= max_steps such that k more decode tokens per sequence take at
         most `free` blocks (`blocks_to_grow` is monotone in k); 0 if
         `writes_into_shared_block(seqs)`. One pass where it can."""
-    def advance_decodes(self, seqs: list["Sequence"], num_steps: int) -> None:
+    def advance_decodes(self, seqs: list["Sequence"], num_steps: int, offsets: list[int] | None = None) -> None:
         """Allocate (and publish) for `num_steps` decode steps of `seqs` exactly as that many
-        single steps would, in the same order. The caller advances num_computed_tokens."""
+        single steps would, in the same order (`offsets`: their current
+        `decode_block_offsets`, when the caller has them). The caller advances
+        num_computed_tokens."""
 
     # -- introspection ------------------------------------------------------------------------
     def memory_breakdown(self, running: list["Request"], waiting_head: "Request | None") -> dict[str, int]: ...

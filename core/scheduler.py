@@ -466,10 +466,12 @@ class Scheduler:
             seq.num_computed_tokens = 0
         return True
 
-    def _admit(self, budget: int, out: SchedulerOutput, now: float) -> None:
+    def _admit(self, budget: int, out: SchedulerOutput, now: float, seated: int = 0) -> None:
+        """Admit waiting requests in queue order while they fit the budgets; `seated`: the
+        step's sequences not in `out.scheduled` (core.event_skipping's steady step)."""
         kv, bs = self.kv, self.cache_config.block_size
         waiting = self.waiting
-        seats = self.config.max_num_seqs
+        seats = self.config.max_num_seqs - seated
         while len(waiting) and budget > 0:
             request = waiting.peek()
             if len(out.scheduled) + len(request.seqs) > seats:
@@ -594,15 +596,20 @@ class Scheduler:
                     else:
                         self.finish_sequence(*action)
 
-    def finish_at_length(self, seqs: list[Sequence], updated: list[Request], now: float) -> list[Request]:
+    def finish_at_length(self, seqs: list[Sequence], now: float) -> list[Request]:
         """The end of a skipped decode span (core.event_skipping) whose last step brought
-        `seqs` to their length limit: finish them as `update()` would, then every request of
-        `updated` left without a live sequence; returns the requests that left."""
+        `seqs` (in batch order) to their length limit: finish them as `update()` would, then
+        every request they leave without a live sequence; returns the requests that left."""
         for seq in seqs:
             self._finish_seq(seq, RequestStatus.FINISHED_LENGTH)
-        for request in updated:
-            if not request.seqs and not request.is_finished:
+        # Only the requests of `seqs` can be left without a live sequence; they come in
+        # batch order, as in `updated`.
+        last = None
+        for seq in seqs:
+            request = seq.request
+            if request is not last and not request.seqs and not request.is_finished:
                 self._finish_request(request, request.finished_seqs[-1].status)
+            last = request
         return self._end_step(now)
 
     def _end_step(self, now: float) -> list[Request]:

@@ -150,7 +150,12 @@ class DisaggFleet(Fleet):
     def more_work_may_come(self, replica: Replica) -> bool:
         if self._next < len(self.arrivals):
             return True
-        return replica.index >= len(self.prefill) and self._in_flight > 0
+        # A decode replica waits while a transfer is on its way or a prefill still running
+        # may start one.
+        return replica.index >= len(self.prefill) and (self._in_flight > 0 or self._prefill_busy())
+
+    def _prefill_busy(self) -> bool:
+        return any(p.scheduler.requests or p.inbox for p in self.prefill)
 
     # -- prefill side -------------------------------------------------------------------------
     def _prefill_before_update(self, replica: Replica):
@@ -176,6 +181,11 @@ class DisaggFleet(Fleet):
                 self.transfers.append(t)
                 self._in_flight += 1
                 self.env.process(self._send(t))
+            if not self._in_flight and self._next >= len(self.arrivals) and not self._prefill_busy():
+                # The last prefill ended without a transfer: idle decode replicas may stop
+                # (woken at their own clock: no idle time is added to them).
+                for d in self.decode:
+                    d.wake(d.clock)
         return on_finish
 
     # -- the transfer ---------------------------------------------------------------------------

@@ -45,25 +45,26 @@ import simpy
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
 from core.config import default_max_model_len, default_max_num_batched_tokens
-from core.event_skipping import fast_forward, steady_decode_plan
+from core.event_skipping import (describe_steady_decode, fast_forward, renew_steady_plan, schedule_steady_step,
+                                 update_steady_step)
 from core.metrics import RequestRecord
 from policies import PolicySet
 from sim.config import SimConfig
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from sim.fitted_cost import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
-from sim.memory import MemoryAccumulator, SpanModel, block_growth_steps, sample as memory_sample
+from sim.memory import MemoryAccumulator, SpanModel, growth_from_offsets, sample as memory_sample
 from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
 from sim.stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacity_blocks
 from traces import HashedBlockTokens, Trace
 
 # Synthetic prompts (traces without token ids): request i's prompt is the id
-# PROMPT_ID_BASE + i followed by 1, 2, 3, ... Chained block hashes cover everything
+# PROMPT_ID_BASE + i followed by 1, 1, 1, ... Chained block hashes cover everything
 # before a block, so a unique first token makes every block of the prompt unique
-# (no false prefix-cache hits); the shared tail is a slice of one list of small ints,
-# so building a prompt costs no per-token Python work. Never the EOS id (0).
+# (no false prefix-cache hits). The tail is one cached small int repeated: building and
+# copying a prompt costs no per-token Python work and touches no per-token object.
+# Never the EOS id (0).
 PROMPT_ID_BASE = 1 << 24
-_PROMPT_IDS: list[int] = []
 _REJECTED = RequestStatus.FINISHED_REJECTED
 # Re-derive the memory breakdown from the core after every skipped span and compare (an
 # O(running) self-check; on in the test suite, off by default for speed).
@@ -205,13 +206,18 @@ class SimResult:
                           "token_states", "reserved", "internal_frag", "external_frag")
 
 
+def _check_renewed(plan, fresh) -> None:
+    """TWINSERVE_SIM_CHECK: a plan carried across spans equals one made by a full pass."""
+    def view(p):
+        return None if p is None else (p.horizon, p.seqs, p.lefts, p.offsets, p.context_sum, p.num_requests, p.applied)
+    if view(plan) != view(fresh):
+        raise RuntimeError(f"event skipping: renewed plan {view(plan)} != fresh plan {view(fresh)}")
+
+
 def synthetic_prompt(index: int, length: int) -> list[int]:
     """The prompt ids the simulator uses for trace request `index` when the trace has none."""
-    ids = _PROMPT_IDS
-    if len(ids) < length:
-        ids.extend(range(len(ids), 2 * length))
-    prompt = ids[:length]                  # one copy: [0, 1, ..., length - 1]
-    prompt[0] = PROMPT_ID_BASE + index     # -> [PROMPT_ID_BASE + index, 1, ..., length - 1]
+    prompt = [1] * length                  # -> [PROMPT_ID_BASE + index, 1, ..., 1]
+    prompt[0] = PROMPT_ID_BASE + index
     return prompt
 
 
@@ -256,6 +262,7 @@ class SimEngine:
         self.timeseries: list[tuple] = []
         self.num_steps = 0
         self.num_normal_steps = 0
+        self._steady = None            # the running set as a SteadyDecode plan (event skipping), or None
         self.clock = 0.0
         self._pbar = None
 
@@ -275,8 +282,12 @@ class SimEngine:
             prompt = synthetic_prompt(i, max(1, tr.prompt_len))
         if context is not None:
             prompt = context + prompt
-        return Request(tr.request_id, prompt, params, arrival_time=tr.arrival_time if arrival is None else arrival,
-                       eos_token_id=SIM_EOS_TOKEN_ID, user_data=i)
+        request = Request(tr.request_id, prompt, params, arrival_time=tr.arrival_time if arrival is None else arrival,
+                          eos_token_id=SIM_EOS_TOKEN_ID, user_data=i)
+        # Step end times go straight into a compact array (runs keep every record), while
+        # each span's times are fresh in the cache.
+        request.metrics.token_times = array("d")
+        return request
 
     def _intake(self, clock: float) -> None:
         """Add every request that has arrived by `clock` (trace order; then conversation
@@ -343,7 +354,8 @@ class SimEngine:
         if self.records[i] is not None:      # a rejection, already recorded on arrival
             return False
         rec = RequestRecord.from_request(request)
-        rec.token_times = array("d", rec.token_times)    # compact: runs keep every record
+        if type(rec.token_times) is not array:          # (made as one: see _make_request)
+            rec.token_times = array("d", rec.token_times)    # compact: runs keep every record
         self.records[i] = rec
         return True
 
@@ -409,6 +421,7 @@ class SimEngine:
         arrivals, n_total = self.arrivals, len(self.arrivals)
         skipping = self.event_skipping
         step_time, execute, update, schedule = ex.step_time, ex.execute_model, sched.update, sched.schedule
+        token_ids = ex.token_ids
         account, timeseries = self._account, self.timeseries
         mem_add = self.memory.add
         pbar = self._pbar
@@ -422,26 +435,37 @@ class SimEngine:
                     break
                 yield from self._idle_until(self._next_event())
                 continue
-            out: SchedulerOutput = schedule(clock)   # stamps preempted requests' queue time itself
-            dt = step_time(out)
-            if dt <= 0.0:
-                # Nothing runnable now (should not happen with an empty-enough pool).
-                self._finish(update(out, _EMPTY_RESULT, clock).finished)
-                if sched.requests and (self._next < n_total or ready):
-                    yield from self._idle_until(self._next_event())
+            # A span that stopped for arrivals leaves its plan: the step that admits them
+            # then takes the plan's decodes in bulk (core.event_skipping.schedule_steady_step).
+            steady = self._steady
+            step = schedule_steady_step(sched, steady, clock) if steady is not None else None
+            if step is None:
+                self._steady = None
+                out: SchedulerOutput = schedule(clock)   # stamps preempted requests' queue time itself
+                dt = step_time(out)
+                if dt <= 0.0:
+                    # Nothing runnable now (should not happen with an empty-enough pool).
+                    self._finish(update(out, _EMPTY_RESULT, clock).finished)
+                    if sched.requests and (self._next < n_total or ready):
+                        yield from self._idle_until(self._next_event())
+                        continue
+                    if sched.requests:
+                        raise RuntimeError(f"the scheduler made no progress at t={clock:.6f} with "
+                                           f"{len(sched.requests)} unfinished requests")
                     continue
-                if sched.requests:
-                    raise RuntimeError(f"the scheduler made no progress at t={clock:.6f} with "
-                                       f"{len(sched.requests)} unfinished requests")
-                continue
+                num_seqs, num_tokens = len(out.scheduled), out.num_batched_tokens
+            else:
+                out = step.out
+                dt = step_time(out, step.num_decodes, step.decode_context_sum)
+                num_seqs, num_tokens = step.num_seqs, step.num_batched_tokens
             result = execute(out)
             used = gpu.num_used
             running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
             account(dt, used, running, waiting, swapped)
             mem = memory_sample(sched)                 # the state during the step
             mem_add(dt, mem)
-            timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
-                               out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            timeseries.append((clock, dt, 1, used, running, waiting, swapped, num_seqs,
+                               num_tokens, len(out.preempted), *mem[:4]))
             # No SimPy wait per step: nothing else runs while the engine is busy (arrivals
             # enter at step boundaries by the engine's own clock), so SimPy's clock only
             # catches up when the engine idles (`_idle_until`).
@@ -449,7 +473,11 @@ class SimEngine:
             self.clock = end
             self.num_steps += 1
             self.num_normal_steps += 1
-            self._finish(update(out, result, end).finished)
+            if step is None:
+                self._finish(update(out, result, end).finished)
+            else:
+                self._finish(update_steady_step(sched, step, result, end, token_ids).finished)
+                self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted)
             if skipping and sched.requests:
                 self._skip()
             if pbar is not None and not (self.num_normal_steps & 1023):
@@ -470,8 +498,17 @@ class SimEngine:
         limit = self._next_event()
         if limit <= t:
             return False
-        plan = steady_decode_plan(sched, through_finishes=True)
+        # The running set as a plan: kept from the last span or steady step (renewed: no
+        # pass over every sequence), else from a pass.
+        plan = self._steady
         if plan is None:
+            plan = describe_steady_decode(sched, through_finishes=True)
+        elif plan.applied:
+            plan = renew_steady_plan(sched, plan, through_finishes=True)
+        if CHECK_SPANS:
+            _check_renewed(plan, describe_steady_decode(sched, through_finishes=True))
+        self._steady = plan
+        if plan is None or plan.horizon <= 0:
             return False
         horizon, num_seqs, context_sum = plan.horizon, plan.num_seqs, plan.context_sum
         step_times = self.executor.decode_step_times
@@ -486,11 +523,11 @@ class SimEngine:
         # a new block at steps j0 = b * block_size - c, j0 + block_size, ... (paged: j0 < block
         # size; a contiguous region covers the sequence's whole life, so j0 lies past the span).
         bs = self.resolved.cache.block_size
-        starts, late = block_growth_steps(sched, bs, plan.seqs)
+        starts, late = growth_from_offsets(plan.offsets, bs)
         used = used0 = sched.kv.gpu.num_used
         # Each step's memory sample follows from the state before the span (sim.memory.SpanModel);
         # one loop adds it and the time-weighted counts to the integrals, in step order.
-        span_model = SpanModel(sched, num_seqs, starts, late)
+        span_model = SpanModel(sched, num_seqs, starts, late, plan.offsets)
         tok0, res0, ext, free0, logical0, total = (span_model.tok, span_model.res, span_model.ext, span_model.free,
                                                    span_model.logical, span_model.total)
         res_step = num_seqs if span_model.reserves else 0
@@ -580,6 +617,8 @@ class SimEngine:
         self.clock = t
         self.num_steps += k
         self._finish(finished)
+        if shrunk:                            # the finished sequences leave the plan
+            self._steady = renew_steady_plan(sched, plan, through_finishes=True)
         return shrunk and k == horizon
 
     # -- run --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ SIM_EOS_TOKEN_ID = 0
 # injective over any window of TOKEN_MODULUS positions of one sequence.
 TOKEN_MODULUS = 65521
 _SEQ_STRIDE = 40503
+_TOKEN_TABLE = list(range(1, TOKEN_MODULUS + 1))     # _TOKEN_TABLE[i] == i + 1
 
 _MASK64 = (1 << 64) - 1
 _start = attrgetter("start")
@@ -62,21 +63,23 @@ class SimExecutor:
         self.fast_tokens = True         # every request n == 1 without beam search (set by the engine)
 
     # -- time ---------------------------------------------------------------------------
-    def step_time(self, out: SchedulerOutput) -> float:
-        """Seconds the step takes: compute (roofline of the batch) + swap copies."""
+    def step_time(self, out: SchedulerOutput, decodes: int = 0, decode_context: int = 0) -> float:
+        """Seconds the step takes: compute (roofline of the batch) + swap copies.
+        `decodes` more sequences with `decode_context` cached tokens in all decode one
+        token each besides `out.scheduled` (core.event_skipping.SteadyStep)."""
         scheduled = out.scheduled
         dt = 0.0
-        if scheduled:
-            n = len(scheduled)
-            ctx = sum(map(_start, scheduled))
+        if scheduled or decodes:
+            n = len(scheduled) + decodes
+            ctx = sum(map(_start, scheduled)) + decode_context
             if out.num_prefill_tokens:
-                pairs = 0
+                pairs = decode_context + decodes
                 for s in scheduled:
                     t = s.num_tokens
                     pairs += t * s.start + t * (t + 1) // 2
             else:                                   # all decodes: one token each
                 pairs = ctx + n
-            dt = self._step_time(BatchShape(n, out.num_batched_tokens, ctx, pairs))
+            dt = self._step_time(BatchShape(n, out.num_batched_tokens + decodes, ctx, pairs))
         if out.blocks_to_swap_out or out.blocks_to_swap_in:
             dt += self._swaps(out)
         return dt
@@ -107,16 +110,16 @@ class SimExecutor:
 
     def token_ids(self, seq: Sequence, first_position: int, count: int):
         """`token_id(seq, p)` for p in [first_position, first_position + count) as a
-        sequence of ints (a `range` unless the ids wrap around TOKEN_MODULUS): the
-        `token_fn` of `core.event_skipping.fast_forward`, no per-token Python work."""
+        list: the `token_fn` of `core.event_skipping.fast_forward`, no per-token Python
+        work (slices of one table of the ids: no int object is created per token)."""
         mod = TOKEN_MODULUS
         start = ((seq.seq_id - self.seq_id_base) * _SEQ_STRIDE + first_position) % mod
         if start + count <= mod:
-            return range(start + 1, start + count + 1)
+            return _TOKEN_TABLE[start:start + count]
         out: list[int] = []
         while count > 0:
             run = min(count, mod - start)
-            out.extend(range(start + 1, start + run + 1))
+            out += _TOKEN_TABLE[start:start + run]
             count -= run
             start = 0
         return out

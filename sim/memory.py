@@ -56,15 +56,17 @@ class SpanModel:
 
     __slots__ = ("tok", "res", "internal", "ext", "free", "used", "logical", "n", "bs", "reserves", "total")
 
-    def __init__(self, scheduler, num_seqs: int, starts: list[int] | None = None, late: dict | None = None):
+    def __init__(self, scheduler, num_seqs: int, starts: list[int] | None = None, late: dict | None = None,
+                 offsets: list[int] | None = None):
         kv = scheduler.kv
         if starts is not None and not late and type(kv) is KVCacheManager and num_seqs == len(scheduler.running):
             # Paged, one sequence per request, tables covering their tokens exactly: a
             # sequence's unfilled tail is the j0 of `block_growth_steps` (what
-            # KVCacheManager.memory_breakdown adds up), so the sample needs no second scan.
+            # KVCacheManager.memory_breakdown adds up; `offsets`: the j0 themselves), so the
+            # sample needs no second scan.
             bs = kv.block_size
             used = kv.gpu.num_used
-            internal = sum(j * count for j, count in enumerate(starts) if count)
+            internal = sum(offsets) if offsets is not None else sum(j * count for j, count in enumerate(starts) if count)
             tok, res, ext, free = used * bs - internal, 0, 0, kv.gpu.num_free * bs
             logical = sum(map(len, kv.tables.values()))
         else:
@@ -194,6 +196,18 @@ def block_growth_steps(sched, block_size: int, seqs=None) -> tuple[list[int], di
         seqs = [seq for request in sched.running for seq in request.seqs]
     for seq in seqs:
         j0 = len(tables[seq.seq_id]) * block_size - seq.num_computed_tokens
+        if j0 < block_size:
+            starts[j0] += 1
+        else:
+            late[j0] = late.get(j0, 0) + 1
+    return starts, late
+
+
+def growth_from_offsets(offsets: list[int], block_size: int) -> tuple[list[int], dict[int, int]]:
+    """`block_growth_steps` from the sequences' `KVManager.decode_block_offsets` (their j0)."""
+    starts = [0] * block_size
+    late: dict[int, int] = {}
+    for j0 in offsets:
         if j0 < block_size:
             starts[j0] += 1
         else:

@@ -13,7 +13,8 @@ import os
 from hypothesis import given, settings, strategies as st
 
 from core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
-from core.event_skipping import fast_forward, steady_decode_horizon, steady_decode_plan
+from core.event_skipping import (describe_steady_decode, fast_forward, renew_steady_plan, schedule_steady_step,
+                                 steady_decode_horizon, steady_decode_plan, update_steady_step)
 from core.metrics import RequestRecord
 from policies import REGISTRY, PolicySet
 from tests.core.toy_executor import ToyExecutor, next_token
@@ -48,10 +49,13 @@ def workloads():
 
 
 def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blocks: int = 8,
-          through_finishes: bool = False, use_plan: bool = False, distinct: bool = False):
+          through_finishes: bool = False, use_plan: bool = False, distinct: bool = False, carry: bool = False):
     """Run `workload` step by step, or (fast) with spans; use_plan: spans come from
     `steady_decode_plan` and are applied in two pieces through it (as a fleet replica cut
-    short applies them), instead of `steady_decode_horizon` + a plan-less `fast_forward`."""
+    short applies them), instead of `steady_decode_horizon` + a plan-less `fast_forward`.
+    carry (as sim.engine): one plan carried across spans (`renew_steady_plan`, checked
+    against a fresh pass every time) and the steps that admit arrivals after a span taken
+    with `schedule_steady_step` / `update_steady_step` where they apply."""
     caching = caching and names["allocation"] == "paged"
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48),
                       CacheConfig(block_size=BS, num_gpu_blocks=blocks, num_cpu_blocks=cpu_blocks,
@@ -67,8 +71,15 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
             out.append(hist[-1])
         return out
 
+    def renewed(plan):
+        """A renewed plan is what a fresh pass over the scheduler gives (None only when
+        that is None too: renewing never gives up on a plain decode state)."""
+        assert plan_view(plan) == plan_view(describe_steady_decode(sched, through_finishes))
+        return plan
+
     arrivals = sorted(workload, key=lambda w: w[0])
     reqs, t, i, skipped, finished_in_span = [], 0, 0, 0, 0
+    carried, steady_steps = None, 0
     while i < len(arrivals) or sched.has_unfinished_requests():
         while i < len(arrivals) and arrivals[i][0] <= t:
             step, prefix, tail, max_tokens, n, priority = arrivals[i]
@@ -77,11 +88,37 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
             reqs.append(sched.add_request(Request(f"r{i}", prompt, params, priority=priority,
                                                   arrival_time=float(step))))
             i += 1
-        out = sched.schedule(float(t))
-        res = ex.execute_model(out)
-        t += 1
-        sched.update(out, res, float(t))
-        while fast:                                # spans back to back while they end in finishes
+        step = schedule_steady_step(sched, carried, float(t)) if carried is not None else None
+        if step is None:
+            carried = None
+            out = sched.schedule(float(t))
+            res = ex.execute_model(out)
+            t += 1
+            sched.update(out, res, float(t))
+        else:
+            res = ex.execute_model(step.out)       # the admissions; the decodes take token_fn's tokens
+            t += 1
+            update_steady_step(sched, step, res, float(t), token_fn)
+            carried = renewed(renew_steady_plan(sched, step.plan, through_finishes, step.out.admitted))
+            steady_steps += 1
+        while fast and carry:
+            if carried is None:
+                carried = describe_steady_decode(sched, through_finishes)
+            elif carried.applied:
+                carried = renewed(renew_steady_plan(sched, carried, through_finishes))
+            k = carried.horizon if carried is not None else 0
+            if i < len(arrivals):
+                k = min(k, arrivals[i][0] - t)
+            if k <= 0:
+                break
+            done = fast_forward(sched, k, [float(t + j + 1) for j in range(k)], token_fn, carried).finished
+            t += k
+            skipped += k
+            finished_in_span += len(done)
+            if not done:
+                break
+            carried = renewed(renew_steady_plan(sched, carried, through_finishes))
+        while fast and not carry:                  # spans back to back while they end in finishes
             plan = steady_decode_plan(sched, through_finishes) if use_plan else None
             k = steady_decode_horizon(sched, through_finishes) if not use_plan else plan.horizon if plan else 0
             if i < len(arrivals):
@@ -106,7 +143,14 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
     # Block-level state too: which ids are free, in which order, and which hold cached prefixes.
     gpu = sched.kv.gpu
     blocks_state = (gpu.uncached_free_blocks(), sorted(gpu.cached.items()))
-    return recs, skipped, sched.kv.stats(), sched.num_preemptions, blocks_state, finished_in_span
+    return recs, skipped, sched.kv.stats(), sched.num_preemptions, blocks_state, finished_in_span, steady_steps
+
+
+def plan_view(plan):
+    """What a SteadyDecode says about the scheduler (None: not a plain decode state)."""
+    if plan is None:
+        return None
+    return plan.horizon, plan.seqs, plan.lefts, plan.offsets, plan.context_sum, plan.num_requests, plan.applied
 
 
 @given(workload=workloads(), names=policy_names(), caching=st.booleans(), blocks=st.integers(12, 28),
@@ -122,6 +166,46 @@ def test_fast_forward_matches_single_steps(workload, names, caching, blocks, thr
                  distinct=True)
     assert fast[0] == slow[0], names
     assert fast[2:5] == slow[2:5], names
+
+
+@given(workload=workloads(), names=policy_names(), caching=st.booleans(), blocks=st.integers(12, 28),
+       through_finishes=st.booleans())
+@settings(max_examples=300 if not os.environ.get("CI") else 1000, deadline=None)
+def test_carried_plans_and_steady_steps_match_single_steps(workload, names, caching, blocks, through_finishes):
+    """The simulator's way: one plan carried across spans and renewed (equal to a fresh
+    pass each time), and the step that admits arrivals after a span scheduled from it
+    (`schedule_steady_step`): the same outputs, blocks and cache as step by step."""
+    slow = drive(workload, False, names, caching, blocks, distinct=True)
+    fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes, distinct=True,
+                 carry=True)
+    assert fast[0] == slow[0], names
+    assert fast[2:5] == slow[2:5], names
+
+
+def test_steady_steps_are_taken():
+    """Arrivals during a steady span are admitted by steady steps (the carried plan's
+    decodes in bulk), and the results equal step by step."""
+    names = dict(queue="fcfs", preemption="recompute", victim="newest", eviction="lru", allocation="paged")
+    workload = [(0, 3, [51], 30, 1, 0), (0, 3, [52], 25, 2, 0), (5, 3, [53], 9, 1, 0), (11, 0, [54], 12, 1, 0),
+                (12, 1, [], 3, 1, 0)]
+    slow = drive(workload, False, names, True, 40, distinct=True)
+    fast = drive(workload, True, names, True, 40, through_finishes=True, distinct=True, carry=True)
+    assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
+    assert fast[6] >= 2 and fast[1] > 20
+
+
+def test_span_after_a_swap_in_that_could_not_compute_publishes_like_single_steps():
+    """Regression (found by the carried-plan property): a request swapped in by a step that
+    had no blocks left to compute it resumes decoding with its table unpublished; step by
+    step, the first step that starts a block publishes it (allocate_slots), so a span
+    must too, or the cache differs from then on."""
+    workload = [(0, 0, [], 1, 1, 0), (0, 0, [], 1, 1, 0), (0, 0, [], 1, 1, 0), (0, 0, [], 1, 1, 0),
+                (23, 3, [], 14, 1, 0), (10, 0, [50, 50, 50], 27, 1, 0), (26, 0, [50, 50, 50, 50], 11, 1, 0)]
+    names = dict(queue="fcfs", preemption="swap", victim="least-computed", eviction="fifo", allocation="paged")
+    slow = drive(workload, False, names, True, 17, distinct=True)
+    for carry in (False, True):
+        fast = drive(workload, True, names, True, 17, distinct=True, carry=carry)
+        assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
 
 
 def test_every_scheduler_policy_kind_is_sampled():
@@ -145,7 +229,7 @@ def test_lpm_with_prefix_caching_matches_single_steps():
 def test_fast_forward_actually_skips():
     workload = [(0, 3, [51, 52, 53], 30, 1, 0), (0, 3, [54, 55, 56, 57, 58], 25, 2, 0)]
     names = dict(queue="fcfs", preemption="recompute", victim="newest", eviction="lru", allocation="paged")
-    _, skipped, _, _, _, in_span = drive(workload, True, names, True, 40)
+    _, skipped, _, _, _, in_span, _ = drive(workload, True, names, True, 40)
     assert skipped > 20 and in_span == 0
 
 

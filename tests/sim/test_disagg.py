@@ -105,3 +105,13 @@ def test_bad_split():
         DisaggConfig(SMALL, 0, 1).validate()
     with pytest.raises(ValueError, match="unknown link"):
         DisaggConfig(SMALL, 1, 1, "ethernet").validate()
+
+
+@pytest.mark.parametrize("skipping", [True, False])
+def test_decode_replica_waits_for_a_prefill_still_running(skipping):
+    """Regression (found by the property above): with every request routed, no transfer in
+    flight yet and a prefill still running, the idle decode replica stopped for good; the
+    transfer that prefill then started was never decoded."""
+    trace = tiny_trace([(338, 1), (1, 2)], 0.01)
+    fleet, result = run(DisaggConfig(replace(SMALL, event_skipping=skipping), 1, 1, "nvlink"), trace)
+    check_invariants(fleet, result, trace)
