@@ -13,6 +13,10 @@ features that reach near the best error win, so a term is kept only if it predic
 The richest family adds a table over the token count (bumps on the profiled counts,
 TABLE_FAMILY), still linear in its coefficients.
 
+A served calibration (`fit_served_scale`, section "served") scales the whole step by a
+measured served/profiled ratio per phase (or phase and batch-size bucket); a "client"
+section holds the delays a streaming client adds to the first and last token.
+
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
 step faster; a negative term is dropped and the rest refitted).
@@ -314,6 +318,76 @@ def scaled_model(model: dict, factor: float) -> dict:
     return out
 
 
+# -- served calibration ---------------------------------------------------------------------
+# The grid's steps run back to back on an otherwise idle engine; served steps (HTTP and
+# streaming on the other core, shapes changing every step, decode batches of mixed context
+# lengths) cost more CPU for the same batch sums (SmolLM2 on CPU: 1.1-1.4x, most for small
+# batches and prefills). A served calibration measures that ratio on logged served steps
+# and scales the grid model by it: per phase, or per phase and batch-size bucket, the
+# family chosen by held-out error like the step model's.
+SERVED_FAMILIES = ("none", "phase", "phase+batch")
+BATCH_BUCKETS = (1, 4, 8, 16)            # upper bounds of the batch-size buckets; one more above
+MIN_BUCKET_STEPS = 5                     # a bucket with fewer calibration steps uses its phase's factor
+
+
+def batch_bucket(seqs: int) -> str:
+    """The batch-size bucket of a step with `seqs` sequences, as a key ("<=4", ">16")."""
+    for hi in BATCH_BUCKETS:
+        if seqs <= hi:
+            return f"<={hi}"
+    return f">{BATCH_BUCKETS[-1]}"
+
+
+def served_factors(rows: Sequence[tuple[str, int, float, float]], family: str) -> dict[str, float]:
+    """Scale factors from calibration rows (phase, seqs, predicted s, measured s): per key,
+    measured over predicted seconds summed (so the factor keeps the total time right, which
+    is what a simulated clock accumulates). Keys: "<phase>" and, for phase+batch,
+    "<phase>:<bucket>" for buckets with at least MIN_BUCKET_STEPS steps."""
+    if family not in SERVED_FAMILIES:
+        raise ValueError(f"served calibration family must be one of {SERVED_FAMILIES}, got {family!r}")
+    if family == "none":
+        return {}
+    sums: dict[str, list[float]] = {}
+    for phase, seqs, predicted, measured in rows:
+        keys = [phase] + ([f"{phase}:{batch_bucket(seqs)}"] if family == "phase+batch" else [])
+        for key in keys:
+            acc = sums.setdefault(key, [0.0, 0.0, 0])
+            acc[0] += predicted
+            acc[1] += measured
+            acc[2] += 1
+    return {key: m / p for key, (p, m, n) in sums.items()
+            if p > 0 and (":" not in key or n >= MIN_BUCKET_STEPS)}
+
+
+def served_factor(factors: dict[str, float], phase: str, seqs: int) -> float:
+    return factors.get(f"{phase}:{batch_bucket(seqs)}", factors.get(phase, 1.0))
+
+
+def fit_served_scale(rows: Sequence[tuple[str, int, float, float]], k: int = 5, seed: int = 0) -> dict:
+    """Choose and fit the served scale from calibration rows (phase, seqs, predicted s by
+    the grid model, measured s on the served engine). Per family, k-fold held-out: the
+    relative error of each held-out fold's total time (`total`: the bias a simulated clock
+    accumulates) and of its single steps (`step`). The simplest family whose mean total
+    error is within SIMPLER_TOLERANCE (relative) or half a percentage point of the best wins."""
+    rows = [tuple(r) for r in rows]
+    if len(rows) < 2:
+        raise ValueError(f"served calibration needs at least 2 logged steps, got {len(rows)}")
+    report = {}
+    for family in SERVED_FAMILIES:
+        totals, steps = [], []
+        for train, held in _splits(len(rows), k, seed):
+            factors = served_factors([rows[i] for i in train], family)
+            pred = [rows[i][2] * served_factor(factors, rows[i][0], rows[i][1]) for i in held]
+            meas = [rows[i][3] for i in held]
+            totals.append(abs(sum(pred) - sum(meas)) / sum(meas))
+            steps += relative_errors(pred, meas)
+        report[family] = {"total": summarize_errors(totals), "step": summarize_errors(steps)}
+    best = min(r["total"]["mean"] for r in report.values())
+    family = next(f for f in SERVED_FAMILIES
+                  if report[f]["total"]["mean"] <= max(best * (1 + SIMPLER_TOLERANCE), best + 0.005))
+    return {"family": family, "factors": served_factors(rows, family), "held_out": report, "n": len(rows)}
+
+
 def check_model(model: dict, where: str = "cost model") -> None:
     """Raise ValueError naming what is wrong when `model` is not a usable step-cost model."""
     if not isinstance(model, dict) or model.get("format") != FORMAT:
@@ -341,6 +415,36 @@ def check_model(model: dict, where: str = "cost model") -> None:
                 raise ValueError(f"{where}: {part}/{phase}: coefficients must be finite and >= 0, got {coef}")
     if "swap" in model:
         _check_swap(model["swap"], where)
+    if "served" in model:
+        _check_served(model["served"], where)
+    if "client" in model:
+        client_delays(model, where)
+
+
+def client_delays(model: dict, where: str = "cost model") -> tuple[float, float]:
+    """(first, last): seconds a client sees its first / last token after the engine
+    produced it, counted from when its request reached the server (HTTP in, streaming
+    out; `client` section of a served calibration); (0, 0) without one."""
+    client = model.get("client")
+    if client is None:
+        return 0.0, 0.0
+    vals = tuple(client.get(k) if isinstance(client, dict) else None for k in ("first_token_s", "last_token_s"))
+    if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in vals):
+        raise ValueError(f"{where}: client: first_token_s and last_token_s must be finite numbers, got {client!r}")
+    return vals
+
+
+def _check_served(served, where: str) -> None:
+    factors = served.get("factors") if isinstance(served, dict) else None
+    if not isinstance(factors, dict):
+        raise ValueError(f"{where}: served: needs a 'factors' object (phase or phase:bucket -> scale)")
+    keys = set(PHASES) | {f"{p}:{b}" for p in PHASES for b in [f"<={h}" for h in BATCH_BUCKETS] + [f">{BATCH_BUCKETS[-1]}"]}
+    for key, f in factors.items():
+        if key not in keys:
+            raise ValueError(f"{where}: served: unknown factor key {key!r} (phase, or phase:<=N / phase:>N "
+                             f"with N in {BATCH_BUCKETS})")
+        if not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ValueError(f"{where}: served: factor {key!r} must be finite and > 0, got {f!r}")
 
 
 def _check_swap(swap, where: str) -> None:
@@ -378,8 +482,18 @@ class StepCostEvaluator:
                     bumps.append((knots, mine))
             self._coef[phase] = tuple(total[f] for f in FEATURES)
             self._bumps[phase] = bumps
+        # served calibration (absent: the grid model as profiled)
+        self._served = dict(model.get("served", {}).get("factors", {}))
 
     def step_time(self, seqs: int, tokens: int, context: int, pairs: int) -> float:
+        """Seconds of one step: the grid model, scaled by the served calibration if any."""
+        t = self.grid_step_time(seqs, tokens, context, pairs)
+        if self._served and seqs > 0:
+            t *= served_factor(self._served, phase_of(seqs, tokens), seqs)
+        return t
+
+    def grid_step_time(self, seqs: int, tokens: int, context: int, pairs: int) -> float:
+        """Seconds of one step by the profiled grid's model alone (no served calibration)."""
         if seqs <= 0:
             return 0.0
         phase = "prefill" if tokens > seqs else "decode"

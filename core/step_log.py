@@ -13,7 +13,9 @@ step by step (`python -m sim replay`). Records, one JSON object per line, `kind`
    "decision": {...}}           one executed step (empty steps run nothing and are left out);
                                 wall seconds, and the stepping thread's CPU and run-queue
                                 seconds (realexec.step_recorder)
-  {"kind": "finish", "req_id", "num_output_tokens", "status"}
+  {"kind": "finish", "req_id", "num_output_tokens", "status", "first_text_token"}
+                                first_text_token: output tokens when its text first showed
+                                (a streaming client's first chunk); absent/None: unknown
 
 Times are seconds since the log started (monotonic clock).
 """
@@ -88,3 +90,21 @@ def load_log(path: str) -> tuple[dict, list[dict], list[dict], dict[str, dict]]:
     if config is None or config.get("format") != LOG_FORMAT:
         raise ValueError(f"{path}: not a {LOG_FORMAT} file (no config record)")
     return config, arrivals, steps, finishes
+
+
+def sample_times(steps: list[dict]) -> dict[str, list[float]]:
+    """Per request, the end time of the step that sampled each of its output tokens (one
+    entry per token: a step's slice samples `samples` tokens)."""
+    times: dict[str, list[float]] = {}
+    for s in steps:
+        for rid, _start, _n, samples, _blocks in s["decision"]["batch"]:
+            if samples:
+                times.setdefault(rid, []).extend([s["t_end"]] * samples)
+    return times
+
+
+def first_visible_index(finish: dict | None) -> int:
+    """0-based index of the output token a streaming client sees first (the first with
+    text); 0 when the log does not say."""
+    k = (finish or {}).get("first_text_token")
+    return k - 1 if isinstance(k, int) and k >= 1 else 0

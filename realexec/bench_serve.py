@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--trace", default="traces/sharegpt.json", help="trace file (any traces format) "
                         "[traces/sharegpt.json]")
     parser.add_argument("--num-requests", type=int, default=100, help="requests to send [100]")
+    parser.add_argument("--skip", type=int, default=0, metavar="N",
+                        help="leave out the trace's first N requests (e.g. a calibration slice disjoint "
+                             "from a validation one) [0]")
     parser.add_argument("--rate", type=float, default=float("inf"),
                         help="mean arrival rate, req/s; inf sends all at t=0 [inf]")
     parser.add_argument("--burstiness", type=float, default=1.0,
@@ -101,6 +104,8 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 def _check_args(args) -> None:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if getattr(args, "skip", 0) < 0:
+        raise ValueError(f"--skip must be >= 0, got {args.skip}")
     if not args.rate > 0:
         raise ValueError(f"--rate must be > 0 (or inf), got {args.rate}")
     if not args.burstiness > 0:
@@ -115,10 +120,14 @@ def _check_args(args) -> None:
 
 def build_requests(args) -> list[BenchRequest]:
     from traces import TraceError, arrival_times, load_trace, retime
+    from traces.model import Trace
 
-    trace = load_trace(args.trace, limit=args.num_requests)
-    if not len(trace):
-        raise TraceError(f"{args.trace}: no requests")
+    skip = getattr(args, "skip", 0)
+    trace = load_trace(args.trace, limit=skip + args.num_requests)
+    if len(trace) <= skip:
+        raise TraceError(f"{args.trace}: {len(trace)} requests, none left after --skip {skip}")
+    if skip:
+        trace = Trace(trace.requests[skip:], f"{trace.source}, first {skip} requests skipped")
     if len(trace) < args.num_requests:
         trace = retime(trace, num_requests=args.num_requests)      # replay to reach N
     n = args.num_requests

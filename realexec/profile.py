@@ -285,9 +285,10 @@ def run(args) -> int:
     if engine_args.max_num_batched_tokens is None:
         engine_args.max_num_batched_tokens = QUICK_CHUNK if args.quick else FULL_CHUNK
     engine_args.validate()
-    from realexec.engine import LLMEngine
+    from realexec.engine import LLMEngine, freeze_startup_heap
 
     engine = LLMEngine(engine_args)
+    freeze_startup_heap()              # as `serve` does: no full garbage collection inside a timed step
     try:
         print(f"profiling {engine_args.model or 'SmolLM2-135M-Instruct'} "
               f"({'quick' if args.quick else 'full'} grid, {args.repeats} repeats)", file=sys.stderr)

@@ -17,6 +17,9 @@ during the step (any thread's; it holds the GIL). `runq_s` comes
 from Linux schedstat (absent elsewhere). With
 `worker_timings`, each step also carries the worker's input-preparation and
 forward+sampling seconds (one extra `get_timings` call after the step, not timed).
+A finish record also says after how many output tokens the request's text first showed
+(`first_text_token`; None: never, or no tokenizer): a streaming server sends no chunk for
+tokens without text (a leading special token), so its client's first token comes later.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ class StepRecorder:
         self._executed = 0
         self._pending: dict | None = None
         self._open: dict[str, object] = {}          # request id -> Request, until it finishes
+        self._first_text: dict[str, int] = {}       # request id -> output tokens when text first showed
         self._timings = self._worker_timings() if worker_timings else None
         core, executor = engine.core, engine.executor
         self._add, self._execute, self._step = core.add_request, executor.execute_model, engine._step
@@ -117,6 +121,9 @@ class StepRecorder:
                 self._timings = now
             self._executed += 1
             self._emit(rec)
+        for o in outputs:
+            if o.outputs and o.outputs[0].text and o.request_id not in self._first_text:
+                self._first_text[o.request_id] = len(o.outputs[0].token_ids)
         self._emit_finishes()
         return outputs
 
@@ -131,7 +138,8 @@ class StepRecorder:
             request = self._open.pop(rid)
             seqs = request.all_seqs()
             self._emit({"kind": "finish", "req_id": rid, "status": request.status.value,
-                        "num_output_tokens": seqs[0].num_output_tokens if seqs else 0})
+                        "num_output_tokens": seqs[0].num_output_tokens if seqs else 0,
+                        "first_text_token": self._first_text.pop(rid, None)})
 
     def _emit(self, record: dict) -> None:
         if self.keep:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from policies import REGISTRY
-from sim import compare, replay, search, validate
+from sim import calibrate, compare, replay, search, validate
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
                         positive_int)
 from sim.engine import ResolvedConfig, resolve
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sim",
         description="Discrete-event simulation of paged-KV LLM serving: the twinserve core scheduler "
                     "and block manager on a simulated clock priced by a roofline cost model.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,sharing,search,replay,validate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,sharing,search,replay,validate,calibrate}")
     run = sub.add_parser("run", help="simulate one trace and write results",
                          description="Simulate one trace; writes requests.csv, summary.json and "
                                      "timeseries.csv to --out and prints a summary table.")
@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_parser(sub)
     replay.add_parser(sub)
     validate.add_parser(sub)
+    calibrate.add_parser(sub)
     return parser
 
 
@@ -403,6 +404,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    try:
+        return calibrate.cmd_calibrate(args)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+
+
 def _fmt_ms(v) -> str:
     return "      -" if v is None else f"{v * 1e3:7.1f} ms"
 
@@ -413,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "sharing": cmd_sharing,
                 "search": _cmd_search, "replay": _cmd_replay,
-                "validate": _cmd_validate}[args.command](args)
+                "validate": _cmd_validate, "calibrate": _cmd_calibrate}[args.command](args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

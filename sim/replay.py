@@ -115,10 +115,14 @@ def replay(path: str, cost_model=None) -> ReplayReport:
     basis = getattr(cost_model, "time_basis", "wall")
     if basis == "cpu" and not all("cpu_s" in s for s in steps):
         basis = "wall"                  # an older log without CPU seconds
-    return _compare(steps, tap, basis)
+    evaluator = getattr(cost_model, "evaluator", None)
+    grid = evaluator.grid_step_time if evaluator is not None and "served" in evaluator.model else None
+    return _compare(steps, tap, basis, grid)
 
 
-def _compare(steps: list[dict], tap: _Tap, basis: str = "wall") -> ReplayReport:
+def _compare(steps: list[dict], tap: _Tap, basis: str = "wall", grid_time=None) -> ReplayReport:
+    """`grid_time(seqs, tokens, context, pairs)`: a calibrated model's uncalibrated
+    prediction, summed beside the calibrated one (None: not calibrated)."""
     equal, first = 0, None
     for i, (real, sim) in enumerate(zip(steps, tap.decisions)):
         if real["decision"] == sim:
@@ -136,8 +140,10 @@ def _compare(steps: list[dict], tap: _Tap, basis: str = "wall") -> ReplayReport:
         batch = real["decision"]["batch"]
         if not batch or not real.get(key):
             continue
-        seqs, tokens, _, _ = shape_of([b[1] for b in batch], [b[2] for b in batch])
-        errs[phase_of(seqs, tokens)].append(abs(t - real[key]) / real[key])
+        shape = shape_of([b[1] for b in batch], [b[2] for b in batch])
+        errs[phase_of(shape[0], shape[1])].append(abs(t - real[key]) / real[key])
+        if grid_time is not None:
+            totals["predicted_grid"] = totals.get("predicted_grid", 0.0) + grid_time(*shape)
         totals["wall"] += real["step_s"]
         totals["cpu"] += real.get("cpu_s", float("nan"))
         totals["runq"] += real.get("runq_s", float("nan"))
@@ -166,7 +172,8 @@ def format_report(report: ReplayReport) -> str:
     t = report.totals
     if t.get("wall"):
         lines.append(f"sum over the steps: logged wall {t['wall']:.2f}s = CPU {t['cpu']:.2f}s + waiting for a core "
-                     f"{t['runq']:.2f}s + blocked {t['wall'] - t['cpu'] - t['runq']:.2f}s; predicted {t['predicted']:.2f}s")
+                     f"{t['runq']:.2f}s + blocked {t['wall'] - t['cpu'] - t['runq']:.2f}s; predicted {t['predicted']:.2f}s"
+                     + (f" (before the served calibration: {t['predicted_grid']:.2f}s)" if "predicted_grid" in t else ""))
     return "\n".join(lines)
 
 

@@ -7,9 +7,12 @@ serve` (HTTP and streaming in the loop; Poisson arrivals at --rate with --seed).
 subprocesses: the simulator never imports the real engine.
 
 Sim side: the first real run's step log gives each request's arrival time (when it
-reached the server: it may wait there for the step in flight), prompt token ids and
-output length, and the engine's scheduler and cache configuration; the simulator runs
-exactly that workload with the fitted cost model.
+reached the server: it may wait there for the step in flight), prompt token ids, output
+length and which output token first had text, and the engine's scheduler and cache
+configuration; the simulator runs exactly that workload with the fitted cost model. Its
+latencies are taken as a streaming client sees them: the first token is the first with
+text (the server sends no chunk for a token without text, e.g. a leading special token),
+plus the cost model's client delays (`sim calibrate`; 0 without).
 
 Report: output throughput and TTFT, TPOT and E2E latency at median and p90 (client-side,
 from bench serve) of every real run, their mean, and the simulator's relative error
@@ -39,7 +42,7 @@ import urllib.request
 from pathlib import Path
 
 from core.metrics import percentile
-from core.step_log import load_log, read_log
+from core.step_log import first_visible_index, load_log, read_log, sample_times
 from sim.config import SimConfig, positive_float, positive_int
 from traces.model import Trace, TraceRequest
 
@@ -57,10 +60,15 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens-cap", type=positive_int, default=32, metavar="N",
                    help="cap each request's output tokens (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="arrival seed (default: %(default)s)")
+    p.add_argument("--skip", type=int, default=0, metavar="K",
+                   help="leave out the trace's first K requests (default: %(default)s)")
     p.add_argument("--real-runs", type=positive_int, default=2, metavar="K",
                    help="real runs; runs after the first measure run-to-run noise (default: %(default)s)")
     p.add_argument("--engine-args", default="", metavar="ARGS",
                    help="extra flags for `realexec serve`, e.g. \"--num-gpu-blocks 200 --max-num-seqs 16\"")
+    p.add_argument("--baseline-cost-model", default=None, metavar="FILE",
+                   help="also simulate with this cost model (e.g. the profile before `sim calibrate`) "
+                        "and report its errors next to --cost-model's")
     p.add_argument("--reuse-real", action="store_true",
                    help="take the real runs already in --out (their step logs and bench results) and only "
                         "simulate again, e.g. with another --cost-model")
@@ -119,6 +127,7 @@ def run_real(args, out: Path, run: int) -> tuple[Path, Path, dict]:
             bench = subprocess.Popen([py, "-m", "realexec", "bench", "serve", "--url", url, "--trace", args.trace,
                                       "--num-requests", str(args.num_requests), "--rate", str(args.rate),
                                       "--seed", str(args.seed), "--max-tokens-cap", str(args.max_tokens_cap),
+                                      "--skip", str(getattr(args, "skip", 0)),
                                       "--save-result", str(result)], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
             _, stderr = bench.communicate()
@@ -175,15 +184,15 @@ def workload_from_log(path: Path) -> tuple[dict, Trace, dict]:
     reqs = [TraceRequest(a["req_id"], round(a["t_arrival"] - t0, 6), len(a["prompt_token_ids"]),
                          finishes[a["req_id"]]["num_output_tokens"], prompt_token_ids=list(a["prompt_token_ids"]))
             for a in arrivals if a["req_id"] in finishes]
-    # engine-side: first token = end of the first step that sampled for it; last = end of its last step
-    first, last = {}, {}
-    for s in steps:
-        for rid, _start, _n, samples, _blocks in s["decision"]["batch"]:
-            if samples:
-                first.setdefault(rid, s["t_end"])
-                last[rid] = s["t_end"]
+    # engine-side: first token = end of the step that sampled the first token with text (what a
+    # streaming client sees first: no chunk goes out for a token without text); last = end of its last step
+    times = sample_times(steps)
+    visible = {rid: first_visible_index(finishes.get(rid)) for rid in times}
+    first = {rid: t[min(visible[rid], len(t) - 1)] for rid, t in times.items()}
+    last = {rid: t[-1] for rid, t in times.items()}
     engine = {"arrival": {a["req_id"]: a["t_arrival"] - t0 for a in arrivals},
               "first": {k: v - t0 for k, v in first.items()}, "last": {k: v - t0 for k, v in last.items()},
+              "first_visible": visible,
               "batch": [(s["t_start"] - t0, len(s["decision"]["batch"])) for s in steps],
               "cpu_share": cpu_share(steps)}
     return config, Trace(reqs, f"step log {path}"), engine
@@ -229,18 +238,29 @@ def sim_config_from_log(config: dict, cost_model: str) -> SimConfig:
                      cost_model=cost_model)
 
 
-def run_sim(config: dict, trace: Trace, cost_model: str):
+def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str, int] | None = None):
+    """Simulate the logged workload; latencies as the client sees them: the engine's (from
+    the request reaching the server; the first token is the one at `first_visible[id]`,
+    0-based, the first with text in the real run) plus the cost model's client delays for
+    the first and the last token (HTTP in and streaming out, from a served calibration)."""
+    from core.cost_fit import client_delays
+    from sim.fitted_cost import load_cost_model_file
     from sim.run import simulate
 
+    first_delay, last_delay = client_delays(load_cost_model_file(cost_model), cost_model)
     result = simulate(sim_config_from_log(config, cost_model), trace)
     ttft, tpot, e2e = [], [], {}
     for r in result.records:
         if r.first_token_time is None or r.finished_time is None:
             continue
-        ttft.append(r.first_token_time - r.arrival_time)
-        e2e[r.request_id] = r.finished_time - r.arrival_time
+        k = (first_visible or {}).get(r.request_id, 0)
+        first_time = r.token_times[k] if 0 < k < len(r.token_times) else r.first_token_time
+        first = first_time - r.arrival_time + first_delay
+        last = r.finished_time - r.arrival_time + last_delay
+        ttft.append(first)
+        e2e[r.request_id] = last
         if r.num_output_tokens > 1:
-            tpot.append((r.finished_time - r.first_token_time) / (r.num_output_tokens - 1))
+            tpot.append((last - first) / (r.num_output_tokens - 1))
     total_out = sum(r.num_output_tokens for r in result.records)
     stats = _stats({"ttft": ttft, "tpot": tpot, "e2el": list(e2e.values())}, total_out / result.sim_time)
     cols = result.TIMESERIES_COLUMNS
@@ -323,6 +343,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from sim.fitted_cost import FittedCostModel, load_cost_model_file
 
     FittedCostModel.from_file(args.cost_model, None)          # a bad file fails before any server starts
+    if getattr(args, "baseline_cost_model", None):
+        FittedCostModel.from_file(args.baseline_cost_model, None)
     model = load_cost_model_file(args.cost_model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -343,7 +365,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     shares = [cpu_share(load_log(str(log))[2]) for log, _, _ in runs]
     mean_share = sum(shares) / len(shares) if all(shares) else None
     real_mean, noise = mean_stats(real), run_noise(real)
-    sim_stats, sim_e2e, sim_batch, _ = run_sim(config, trace, args.cost_model)
+    sim_stats, sim_e2e, sim_batch, _ = run_sim(config, trace, args.cost_model, engine["first_visible"])
     eng1, real_e2e = engine_stats(trace, engine)
     rows = {f"real{k} (client)": s for k, s in enumerate(real, 1)}
     rows.update({"real mean": real_mean, "real1 (engine)": eng1, "sim": sim_stats})
@@ -355,15 +377,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # own threads): what the twin predicts given the CPU the engine actually got
         scaled_path = out / "cost_model.contended.json"
         scaled_path.write_text(json.dumps(scaled_model(model, scale)))
-        contended, sim_e2e, sim_batch, _ = run_sim(config, trace, str(scaled_path))
+        contended, sim_e2e, sim_batch, _ = run_sim(config, trace, str(scaled_path), engine["first_visible"])
         rows["sim (contended)"] = contended
         errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
+    if getattr(args, "baseline_cost_model", None):
+        baseline, _, _, _ = run_sim(config, trace, args.baseline_cost_model, engine["first_visible"])
+        rows["sim (baseline)"] = baseline
+        errors["sim (baseline) vs mean"] = rel_errors(baseline, real_mean)
     errors["sim vs engine1"] = rel_errors(sim_stats, eng1)
     draw(out / "validate.png", real_e2e, sim_e2e, engine["batch"], sim_batch,
          "simulated (contended)" if scale is not None else "simulated")
     report = {"trace": args.trace, "rate": args.rate, "num_requests": len(trace.requests),
-              "cost_model": args.cost_model, "engine_args": args.engine_args, "stats": rows, "errors": errors,
-              "noise": noise, "cpu_share": shares, "contention_scale": scale,
+              "skip": getattr(args, "skip", 0), "seed": args.seed, "cost_model": args.cost_model,
+              "baseline_cost_model": getattr(args, "baseline_cost_model", None), "engine_args": args.engine_args,
+              "stats": rows, "errors": errors, "noise": noise, "cpu_share": shares, "contention_scale": scale,
               "machine": [m for _, _, m in runs], "cpu_count": os.cpu_count(),
               "preemptions_real": sum(1 for r in read_log(str(runs[0][0])) if r["kind"] == "step"
                                       for _ in r["decision"]["preempted"])}

@@ -249,6 +249,7 @@ def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_pa
     assert report["contention_scale"] == pytest.approx(2 / sum(report["cpu_share"]))
     assert all(m["server_cpu_s"] > 0 and m["client_cpu_s"] > 0 for m in report["machine"])
     assert (out / "validate.png").stat().st_size > 10_000
+    assert "startup objects kept out of the garbage collector" in (out / "real1.server.log").read_text()
     _, trace, _ = workload_from_log(out / "real1.steps.jsonl")     # the simulated workload is the served one
     bench = json.loads((out / "real1.bench.json").read_text())
     assert sorted(r.output_len for r in trace.requests) == sorted(bench["output_lens"])
@@ -576,3 +577,203 @@ def test_a_table_with_bad_knots_is_refused():
     old = json.loads(json.dumps(fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))))
     old["version"] = 1                     # version-1 files (linear families only) still load
     check_model(old)
+
+
+# ----------------------------------------------------------------------------- served calibration
+
+def _served_rows(factor_of, n: int = 240, noise: float = 0.05, seed: int = 0) -> list[tuple]:
+    """Calibration rows (phase, seqs, predicted, measured): measured = predicted x
+    factor_of(phase, seqs), with multiplicative noise."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        phase = "prefill" if i % 3 == 0 else "decode"
+        seqs = rng.choice((1, 1, 2, 3, 4, 6, 8, 12))
+        predicted = rng.uniform(0.05, 2.0) if phase == "prefill" else rng.uniform(0.07, 0.3)
+        rows.append((phase, seqs, predicted, predicted * factor_of(phase, seqs) * (1 + rng.uniform(-noise, noise))))
+    return rows
+
+
+def test_served_scale_recovers_per_phase_factors_and_leaves_a_matching_profile_alone():
+    from core.cost_fit import fit_served_scale
+
+    fit = fit_served_scale(_served_rows(lambda phase, seqs: 1.4 if phase == "prefill" else 1.15))
+    assert fit["family"] == "phase"
+    assert fit["factors"]["prefill"] == pytest.approx(1.4, rel=0.02)
+    assert fit["factors"]["decode"] == pytest.approx(1.15, rel=0.02)
+    assert fit["held_out"]["phase"]["total"]["mean"] < 0.02 < fit["held_out"]["none"]["total"]["mean"]
+    same = fit_served_scale(_served_rows(lambda phase, seqs: 1.0))
+    assert same["family"] == "none" and same["factors"] == {}
+
+
+def test_served_scale_finds_a_gap_that_depends_on_the_batch_size():
+    from core.cost_fit import fit_served_scale, served_factor
+
+    def gap(phase, seqs):           # small multi-sequence decodes cost more served; single and large ones not
+        return 1.5 if phase == "decode" and 2 <= seqs <= 4 else 1.0
+    fit = fit_served_scale(_served_rows(gap, n=400))
+    assert fit["family"] == "phase+batch"
+    for seqs, want in ((1, 1.0), (3, 1.5), (8, 1.0), (12, 1.0)):
+        assert served_factor(fit["factors"], "decode", seqs) == pytest.approx(want, rel=0.03)
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_served_scale(_served_rows(gap, n=1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 3000), st.integers(0, 20),
+       st.floats(0.5, 3.0), st.floats(0.5, 3.0), st.floats(0.5, 3.0))
+def test_a_calibrated_model_scales_the_grid_model_by_its_phase_and_bucket_factor(seqs, ctx, extra, fp, fd, fd4):
+    model = dict(_bumpy_model(), served={"factors": {"prefill": fp, "decode": fd, "decode:<=4": fd4}})
+    check_model(model)
+    ev, grid = StepCostEvaluator(model), StepCostEvaluator(_bumpy_model())
+    tokens = seqs + extra
+    shape = (seqs, tokens, ctx, ctx + tokens)
+    want = fp if extra else fd4 if 2 <= seqs <= 4 else fd     # one sequence: bucket "<=1", no factor of its own
+    assert ev.step_time(*shape) == pytest.approx(want * grid.step_time(*shape))
+    assert ev.grid_step_time(*shape) == grid.step_time(*shape)
+    assert _fitted(model).decode_step_times(seqs, ctx, 2)[0] == ev.step_time(seqs, seqs, ctx, ctx + seqs)
+
+
+def test_a_bad_served_or_client_section_is_refused():
+    for bad, match in (({"served": {"factors": {"decode": 0.0}}}, "finite and > 0"),
+                       ({"served": {"factors": {"decode:<=3": 1.2}}}, "unknown factor key"),
+                       ({"served": {"family": "phase"}}, "needs a 'factors'"),
+                       ({"client": {"first_token_s": 0.01}}, "first_token_s and last_token_s"),
+                       ({"client": {"first_token_s": float("nan"), "last_token_s": 0.0}}, "finite")):
+        with pytest.raises(ValueError, match=match):
+            check_model(dict(_bumpy_model(), **bad))
+
+
+def _log_with_tokens(path: Path, first_text_token: int | None) -> None:
+    """A step log of one request (arrives at t=1.0, prompt 3 ids): a prefill step ending at
+    1.5 and decode steps ending at 1.6, 1.7 (3 output tokens)."""
+    from core.step_log import LOG_FORMAT
+
+    recs = [{"kind": "config", "format": LOG_FORMAT},
+            {"kind": "arrival", "req_id": "a", "step": 0, "t": 1.0, "t_arrival": 1.0, "prompt_token_ids": [5, 6, 7]}]
+    for i, (start, n, end) in enumerate(((0, 3, 1.5), (3, 1, 1.6), (4, 1, 1.7))):
+        recs.append({"kind": "step", "step": i, "t_start": end - 0.05, "t_end": end, "step_s": 0.05,
+                     "cpu_s": 0.04, "decision": {"batch": [["a", start, n, 1, 1]]}})
+    recs.append({"kind": "finish", "req_id": "a", "status": "length", "num_output_tokens": 3,
+                 "first_text_token": first_text_token})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_client_delays_count_from_the_first_token_with_text(tmp_path):
+    from sim.calibrate import client_delay_samples
+    from sim.validate import workload_from_log
+
+    bench = {"ttfts": [0.62], "itls": [[0.1]], "input_lens": [3], "errors": [""]}
+    log = tmp_path / "steps.jsonl"
+    _log_with_tokens(log, 2)                # the first token had no text: the client's first is the 2nd
+    (first, last), = client_delay_samples(log, bench)
+    assert first == pytest.approx(0.62 - 0.6) and last == pytest.approx(0.72 - 0.7)
+    _, _, engine = workload_from_log(log)
+    assert engine["first_visible"] == {"a": 1} and engine["first"]["a"] == pytest.approx(0.6)
+    _log_with_tokens(log, None)             # an older log: the first token
+    assert client_delay_samples(log, bench)[0][0] == pytest.approx(0.62 - 0.5)
+    assert client_delay_samples(log, dict(bench, input_lens=[4])) == []     # not the same request: left out
+
+
+def test_the_simulated_client_sees_the_first_visible_token_plus_the_client_delay(tmp_path):
+    from sim.validate import run_sim
+
+    log = tmp_path / "steps.jsonl"
+    _log_with_tokens(log, 1)
+    config = {"scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256,
+                            "enable_chunked_prefill": True},
+              "cache": {"block_size": 16, "num_gpu_blocks": 32, "num_cpu_blocks": 0, "enable_prefix_caching": False,
+                        "watermark": 0.01},
+              "policies": {"queue": "fcfs", "preemption": "recompute", "victim": "newest", "eviction": "lru"}}
+    trace = Trace([TraceRequest("a", 0.0, 12, 5), TraceRequest("b", 0.01, 20, 4)], "test")
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(_bumpy_model()))
+    delayed = tmp_path / "delayed.json"
+    delayed.write_text(json.dumps(dict(_bumpy_model(), client={"first_token_s": 0.25, "last_token_s": 0.05})))
+    base, e2e0, _, result = run_sim(config, trace, str(plain))
+    shifted, e2e1, _, _ = run_sim(config, trace, str(delayed))
+    assert shifted["median_ttft"] == pytest.approx(base["median_ttft"] + 0.25)
+    assert all(e2e1[k] == pytest.approx(e2e0[k] + 0.05) for k in e2e0)
+    second, _, _, _ = run_sim(config, trace, str(plain), {"a": 1, "b": 1})   # first text on the 2nd token
+    rec = {r.request_id: r for r in result.records}
+    want = sorted(rec[k].token_times[1] - rec[k].arrival_time for k in ("a", "b"))
+    assert second["median_ttft"] == pytest.approx(sum(want) / 2)
+    assert second["median_ttft"] > base["median_ttft"]
+
+
+def test_bench_serve_skip_takes_a_later_slice_of_the_trace():
+    import argparse
+
+    from realexec.bench_serve import add_arguments, build_requests
+    from traces import load_trace
+
+    parser = add_arguments(argparse.ArgumentParser())
+    first = build_requests(parser.parse_args(["--num-requests", "4", "--max-tokens-cap", "8"]))
+    later = build_requests(parser.parse_args(["--num-requests", "4", "--max-tokens-cap", "8", "--skip", "100"]))
+    trace = load_trace("traces/sharegpt.json", limit=104)
+    assert [r.prompt for r in first] == [r.prompt for r in trace.requests[:4]]
+    assert [r.prompt for r in later] == [r.prompt for r in trace.requests[100:104]]
+    with pytest.raises(Exception, match="none left after --skip"):
+        build_requests(parser.parse_args(["--num-requests", "4", "--skip", "100000"]))
+
+
+def test_twin_tables_refuses_a_calibration_slice_that_overlaps_validation(capsys, tmp_path):
+    from sim.twin_tables import main
+
+    with pytest.raises(SystemExit):       # (a missing --profile: nothing real would run either way)
+        main(["--calibration-skip", "5", "--profile", str(tmp_path / "missing.json"), "--out", str(tmp_path / "t")])
+    assert "overlaps the validation slices" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def test_calibrate_serves_a_disjoint_slice_and_fits_the_served_steps(tiny, tiny_profile, tmp_path):
+    prof, _ = tiny_profile
+    out = tmp_path / "calibrated.json"
+    r = subprocess.run([PY, "-m", "sim", "calibrate", "traces/sharegpt.json", "--cost-model", str(prof),
+                        "--out", str(out), "--skip", "30", "--max-tokens-cap", "4",
+                        "--load", f"8:5:--model {tiny} --block-size 16 --num-gpu-blocks 128 --swap-space 0.01"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "served calibration on" in r.stdout and "client delay" in r.stdout
+    model = json.loads(out.read_text())
+    check_model(model)
+    served = model["served"]
+    assert set(served["held_out"]) == {"none", "phase", "phase+batch"} and served["family"] in served["held_out"]
+    from core.step_log import load_log
+
+    _, arrivals, steps, finishes = load_log(str(out) + ".runs/real1.steps.jsonl")
+    assert served["n"] == len(steps) and len(served["rows"]) == len(steps)
+    shown = [f["first_text_token"] for f in finishes.values()]        # when each one's text first showed
+    assert any(k is not None for k in shown) and all(k is None or 1 <= k <= 4 for k in shown)
+    from traces import load_trace
+    trace = load_trace("traces/sharegpt.json", limit=35)        # the calibration slice: requests 30-34
+    assert len(arrivals) == 5
+    assert sorted(len(a["prompt_token_ids"]) for a in arrivals) == sorted(q.prompt_len for q in trace.requests[30:])
+    assert model["client"]["n"] >= 1 and model["calibration"]["skip"] == 30
+    ev, grid = StepCostEvaluator(model), StepCostEvaluator(json.loads(prof.read_text()))
+    assert ev.grid_step_time(1, 1, 10, 11) == pytest.approx(grid.step_time(1, 1, 10, 11))
+
+
+def test_freezing_the_startup_heap_takes_it_out_of_full_collections_but_collects_new_garbage():
+    import gc
+    import weakref
+
+    from realexec.engine import freeze_startup_heap
+
+    class Node:
+        pass
+    gc.collect()
+    tracked = len(gc.get_objects())
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen >= 0.9 * tracked and len(gc.get_objects()) < 0.1 * tracked
+        node = Node()
+        node.self = node                     # a cycle made after the freeze: still garbage-collected
+        gone = weakref.ref(node)
+        del node
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
