@@ -102,6 +102,7 @@ def test_one_replica_fleet_is_the_single_engine(sharegpt, skipping, settings):
         rep = fleet.replicas[0]
         assert rep.time_weighted == single.time_weighted
         assert rep.memory_breakdown == single.memory_breakdown
+        assert rep.timeseries == single.timeseries       # the same steps and spans, cut at the same points
         assert rep.num_preemptions == single.num_preemptions > 0 or not settings
         assert rep.sim_time == single.sim_time
 
@@ -204,3 +205,55 @@ def test_cli_fleet_and_disaggregated_runs_write_fleet_results(tmp_path, capsys):
         args = [a for a in common if a not in ("--slo-ttft", "--slo-tpot", "1", "0.1")] + bad
         assert cli_main(args + ["--out", str(tmp_path / "x")]) == 2
         assert msg in capsys.readouterr().err
+
+
+# --- what the router sees: the sequential driver (Replica.advance_to) -----------------------------
+
+class RecordingRouter:
+    """Wraps a router; logs, per routed request, every replica as the router sees it:
+    outstanding requests, and (for routers that read KV state) blocks in use."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.reads_kv = inner, inner.name, inner.reads_kv
+        self.views: list[tuple] = []
+
+    def choose(self, request, replicas):
+        self.views.append(tuple((r.outstanding, r.scheduler.kv.gpu.num_used if self.reads_kv else None)
+                                for r in replicas))
+        return self.inner.choose(request, replicas)
+
+
+def routed_views(config, n, router, trace):
+    from sim.fleet import Fleet
+    fleet = Fleet(FleetConfig(config, n, router), trace)
+    fleet.router = RecordingRouter(fleet.router)
+    return fleet.run(), fleet.router.views
+
+
+def step_boundaries(result) -> list[float]:
+    """A replica's step (and idle-gap) boundaries, from its timeseries rows."""
+    out = []
+    for row in result.timeseries:
+        out += [row[0], row[0] + row[1]]
+    return sorted(set(out))
+
+
+@settings(max_examples=min(settings().max_examples, 200))
+@given(st.integers(2, 3), st.lists(st.integers(0, 3), min_size=4, max_size=20), st.floats(0.0, 0.15),
+       st.sampled_from(list(REGISTRY["router"])), st.integers(3, 40))
+def test_routers_see_every_replica_at_its_first_step_boundary_at_or_after_the_arrival(n, groups, gap, router,
+                                                                                        out_len):
+    """Event skipping must not change what the router sees at any arrival (outstanding
+    requests, KV blocks in use), and a request enters its replica at that replica's first
+    step boundary at or after its arrival (here nothing waits for memory or batch slots)."""
+    trace = shared_prefix_trace(groups, [gap * ((i * 5) % 4) for i in range(len(groups))], 2, out_len)
+    config = replace(SMALL, enable_prefix_caching=True, num_gpu_blocks=4000, max_num_seqs=64)
+    skip, skip_views = routed_views(replace(config, event_skipping=True), n, router, trace)
+    step, step_views = routed_views(replace(config, event_skipping=False), n, router, trace)
+    assert skip_views == step_views
+    assert skip.replica_of == step.replica_of and skip.records == step.records
+    for i, rec in enumerate(step.records):
+        rep = step.replicas[step.replica_of[i]]
+        # an idle gap's row ends at the delivery that ended it (up to rounding of start + length)
+        first = min(b for b in step_boundaries(rep) if b >= rec.arrival_time - 1e-9)
+        assert abs(rec.first_scheduled_time - max(first, rec.arrival_time)) < 1e-9
