@@ -167,6 +167,9 @@ class Replica(SimEngine):
         # then, for the gap's accounting (used blocks, counts, memory sample).
         self._waiting: tuple | None = None
         self._span_due = False                # at the clock: try a span before the next normal step
+        # advance_to(a) has nothing to do for a <= quiet_until (a wait, a pending span's
+        # planned end, or a step boundary past the last arrival routed); -inf after a delivery.
+        self.quiet_until = -math.inf
 
     # -- what the router sees ----------------------------------------------------------
     @property
@@ -204,6 +207,7 @@ class Replica(SimEngine):
         self.inbox.append(request)
         self.served.append(request.user_data)
         span = self._span
+        self.quiet_until = -math.inf
         if span is not None and span.cut is None:
             span.cut = span.steps_started_before(now)
         else:
@@ -215,6 +219,7 @@ class Replica(SimEngine):
         if waiting is None:
             return
         self._waiting = None
+        self.quiet_until = -math.inf
         clock = self.clock
         dt = t - clock
         if dt > 0:
@@ -228,6 +233,7 @@ class Replica(SimEngine):
         sched = self.scheduler
         self._waiting = (sched.kv.gpu.num_used, (len(sched.running), len(sched.waiting), len(sched.swapped)),
                          memory_sample(sched))
+        self.quiet_until = math.inf
 
     # -- the engine loop ---------------------------------------------------------------------
     def advance_to(self, a: float) -> None:
@@ -248,6 +254,7 @@ class Replica(SimEngine):
                         span.extend(span_chunk(span, a))
                         continue
                     if span.ends[-1] >= a:
+                        self.quiet_until = span.ends[-1]
                         return                       # still running when the router looks at a
                     k = planned                      # ran to its horizon before a
                 else:
@@ -259,6 +266,7 @@ class Replica(SimEngine):
                 self._span_due = k == span.horizon and span.finishes
             clock = self.clock
             if clock >= a:
+                self.quiet_until = clock
                 return                               # the router routes a first
             if self._span_due:
                 # The boundary after a normal step (or a span ending in finishes): a span
@@ -430,7 +438,8 @@ class Fleet:
         while self._next < n:
             t = arrivals[self._next]
             for r in replicas:
-                r.advance_to(t)
+                if t > r.quiet_until:
+                    r.advance_to(t)
             self._route_instant(t)
             last = t
         if n:
