@@ -257,3 +257,48 @@ def test_routers_see_every_replica_at_its_first_step_boundary_at_or_after_the_ar
         # an idle gap's row ends at the delivery that ended it (up to rounding of start + length)
         first = min(b for b in step_boundaries(rep) if b >= rec.arrival_time - 1e-9)
         assert abs(rec.first_scheduled_time - max(first, rec.arrival_time)) < 1e-9
+
+
+# Gaps around one step (~8 ms here): arrivals for other replicas land inside a replica's steps.
+arrivals = st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.002, 0.006, 0.02, 0.06, 0.15])),
+                    min_size=4, max_size=20)
+
+
+@settings(max_examples=min(settings().max_examples, 150))
+@given(st.integers(1, 3), arrivals, st.sampled_from(list(REGISTRY["router"])), st.booleans(), st.integers(3, 40))
+def test_each_replica_is_the_single_engine_on_the_requests_routed_to_it(n, arrivals, router, skipping, out_len):
+    """Between arrival instants a replica runs alone on its own clock: it must take exactly
+    the steps and spans the single engine takes on the requests it was sent (at their
+    times), so its records match; under routers that do not read KV state (no partial span
+    commits) so do its timeseries rows, up to the idle gap a replica counts until the
+    fleet's last arrival."""
+    trace = shared_prefix_trace([g for g, _ in arrivals], [gap for _, gap in arrivals], 2, out_len)
+    config = replace(SMALL, enable_prefix_caching=True, event_skipping=skipping, max_num_seqs=4)
+    fleet = simulate_fleet(FleetConfig(config, n, router), trace)
+    for k, rep in enumerate(fleet.replicas):
+        idx = [i for i, r in enumerate(fleet.replica_of) if r == k]
+        alone = simulate(resolve(config), Trace([trace.requests[i] for i in idx], trace.source))
+        assert alone.records == [fleet.records[i] for i in idx]
+        if not make("router", router).reads_kv:
+            rows = rep.timeseries
+            while rows and rows[-1][2] == 0 and len(rows) > len(alone.timeseries):
+                rows = rows[:-1]                 # the idle gap until the fleet's last arrival
+            assert rows == alone.timeseries
+
+
+@pytest.mark.parametrize("skipping", [True, False])
+def test_an_arrival_exactly_at_a_step_boundary_enters_at_that_boundary(skipping):
+    """Arrivals at or before a replica's clock are routed (and taken) before it starts the
+    step at its clock, as the single engine takes arrivals <= its clock."""
+    config = replace(SMALL, event_skipping=skipping)
+    first = TraceRequest("r0", 0.0, 40, 30, prompt_token_ids=list(range(1, 41)))
+    boundary = simulate(resolve(config), Trace([first], "one")).records[0].token_times[3]  # a decode step's end
+    reqs = [first, TraceRequest("r1", 0.0, 40, 30, prompt_token_ids=list(range(2, 42))),
+            TraceRequest("r2", boundary, 40, 30, prompt_token_ids=list(range(3, 43)))]
+    trace = Trace(reqs, "boundary")
+    alone = simulate(resolve(config), Trace([reqs[0], reqs[2]], "r0 and r2"))
+    assert alone.records[1].first_scheduled_time == boundary
+    res = simulate_fleet(FleetConfig(config, 2, "round-robin"), trace)
+    assert res.replica_of == [0, 1, 0]
+    assert res.records[2].first_scheduled_time == boundary
+    assert [res.records[0], res.records[2]] == alone.records
