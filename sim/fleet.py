@@ -315,13 +315,12 @@ class Replica(SimEngine):
             return False
         span = Span(self, plan)
         horizon = plan.horizon
-        if a == math.inf:
-            span.extend(horizon)                     # nothing can cut it
+        if a == math.inf or horizon == 1:
+            span.extend(horizon)                     # nothing can cut it, or one step
         else:
-            span.extend(1)
-            if horizon > 1:
-                est = int((a - span.start) / span.durations[0]) + 2
-                span.extend(min(horizon, max(MIN_CHUNK, est)) - 1)
+            # Steps never get shorter as contexts grow: at most (a - start) / first + 1 start before a.
+            first = self.executor.decode_step_times(plan.num_seqs, plan.context_sum, 1)[0]
+            span.extend(min(horizon, max(MIN_CHUNK, int((a - span.start) / first) + 2)))
         self._span = span
         return True
 
