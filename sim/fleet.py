@@ -120,13 +120,20 @@ class Span:
         starts, late, bs = self._starts, self._late, self._bs
         used, t = self._used, self._t
         used_at, ends = self.used, self.ends
-        for i, dt in enumerate(durations, i0):
-            if late and i in late:
-                starts[i % bs] += late.pop(i)
-            used += starts[i % bs]
-            used_at.append(used)
-            t = t + dt
-            ends.append(t)
+        if late:                                   # contiguous allocation: growth changes mid-span
+            for i, dt in enumerate(durations, i0):
+                if late and i in late:
+                    starts[i % bs] += late.pop(i)
+                used += starts[i % bs]
+                used_at.append(used)
+                t = t + dt
+                ends.append(t)
+        else:
+            for i, dt in enumerate(durations, i0):
+                used += starts[i % bs]
+                used_at.append(used)
+                t = t + dt
+                ends.append(t)
         self.durations += durations
         self._used, self._t = used, t
 
