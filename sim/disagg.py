@@ -29,14 +29,19 @@ Decode replicas always run with prefix caching (it is how the KV is handed over)
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import simpy
+
 from core import Request, SamplingParams
+from core.event_skipping import steady_decode_plan
 from core.metrics import RequestRecord
-from sim.engine import SimConfig, resolve
+from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, resolve
 from sim.executor import SIM_EOS_TOKEN_ID
-from sim.fleet import Fleet, FleetConfig, FleetResult, Replica
+from sim.fleet import MIN_CHUNK, Fleet, FleetConfig, FleetResult, Replica, Span
+from sim.memory import sample as memory_sample
 from traces import Trace
 
 # Per-GPU, one direction, bytes/s; latency in seconds per transfer.
@@ -45,6 +50,171 @@ LINKS = {
     "infiniband": (50e9, 10e-6),     # NDR 400 Gb/s per GPU (one NIC per GPU)
     "pcie": (25e9, 10e-6),           # PCIe 4.0 x16, effective
 }
+
+
+# -- replicas paced by SimPy ------------------------------------------------------------------
+# KV transfers are events between arrival instants that read and change replicas (the
+# decode side's free blocks, the prefill side's held blocks), so disaggregated replicas
+# run as SimPy processes: a normal step waits for its end on the shared clock, a decode
+# span for the end of each planned chunk (cut short by an interrupt when a request or a
+# transfer arrives). The routing-visibility rules are sim.fleet's.
+FIRST_CHUNK = 32
+
+
+class PacedReplica(Replica):
+    """A fleet replica as a SimPy process (see above)."""
+
+    def __init__(self, index: int, resolved: ResolvedConfig, trace: Trace, env: simpy.Environment,
+                 fleet: "DisaggFleet"):
+        super().__init__(index, resolved, trace, fleet)
+        self.env = env
+        self.process: simpy.Process | None = None
+        self.after_step = None                # callback(replica) after every step
+        self.before_update = None             # callback(out, end) before a step's update
+        self._woken_at = 0.0                  # exact time of the delivery that ended an idle wait
+
+    def deliver(self, request: Request, now: float) -> None:
+        """Take `request` at time `now` (the exact arrival time; SimPy's clock is `now` up to
+        rounding): it enters at this replica's next step boundary."""
+        self.sync(now)
+        self.inbox.append(request)
+        self.served.append(request.user_data)
+        span = self._span
+        if span is not None and span.cut is None:
+            span.cut = span.steps_started_before(now)
+            self.process.interrupt()
+        else:
+            self.wake(now)
+
+    def interrupt_at(self, t: float) -> None:
+        """Stop a pending span at the step boundary at or after t (something outside the
+        replica is about to change its KV pool, e.g. a KV transfer)."""
+        self.sync(t)
+        span = self._span
+        if span is not None and span.cut is None:
+            span.cut = span.done
+            self.process.interrupt()
+
+    def wake(self, t: float) -> None:
+        """End an idle or blocked wait at time t (exact)."""
+        if self._wake is not None and not self._wake.triggered:
+            self._woken_at = t
+            self._wake.succeed()
+
+    # -- the engine loop -----------------------------------------------------------------
+    def _engine_process(self):
+        env, sched, ex, fleet = self.env, self.scheduler, self.executor, self.fleet
+        gpu = sched.kv.gpu
+        skipping = self.event_skipping
+        step_time, execute, update, schedule = ex.step_time, ex.execute_model, sched.update, sched.schedule
+        account, timeseries, mem_add = self._account, self.timeseries, self.memory.add
+        while True:
+            clock = self.clock
+            if fleet.arrival_pending(clock):       # route this instant's arrivals first
+                yield fleet.after_routing()
+                continue
+            if self.inbox:
+                inbox, add = self.inbox, self._add
+                while inbox:
+                    add(inbox.popleft())
+            if not sched.requests:
+                if not fleet.more_work_may_come(self):
+                    break
+                yield from self._wait_for_delivery(clock)
+                if not self.inbox and not sched.requests and not fleet.more_work_may_come(self):
+                    break
+                continue
+            out = schedule(clock)
+            dt = step_time(out)
+            if dt <= 0.0:
+                self._finish(update(out, _EMPTY_RESULT, clock).finished)
+                if sched.requests:
+                    # Nothing fits: blocks held for KV transfers (sim.disagg) come back
+                    # when a transfer ends, which wakes this replica.
+                    yield from self._wait_for_delivery(clock)
+                continue
+            result = execute(out)
+            used = gpu.num_used
+            running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
+            account(dt, used, running, waiting, swapped)
+            mem = memory_sample(sched)
+            mem_add(dt, mem)
+            timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
+                               out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            end = clock + dt
+            # Apply the step's results now: the router then sees this replica as it will
+            # be at the step's end (see the module docstring); stamps use `end`.
+            self.num_steps += 1
+            self.num_normal_steps += 1
+            if self.before_update is not None:
+                self.before_update(out, end)
+            self._finish(update(out, result, end).finished)
+            yield env.timeout(max(0.0, end - env.now))
+            self.clock = end
+            if self.after_step is not None:
+                self.after_step(self)
+            if skipping and sched.requests:
+                yield from self._skip()
+
+    def _wait_for_delivery(self, clock: float):
+        """Idle (or blocked) until something is delivered or freed; account the gap."""
+        sched, gpu = self.scheduler, self.scheduler.kv.gpu
+        used = gpu.num_used
+        counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
+        mem = memory_sample(sched)
+        self._wake = self.env.event()
+        yield self._wake
+        self._wake = None
+        woken = self._woken_at
+        dt = woken - clock
+        if dt > 0:
+            self._account(dt, used, *counts)
+            self.memory.add(dt, mem)
+            self.timeseries.append((clock, dt, 0, used, *counts, 0, 0, 0, *mem[:4]))
+            self.clock = woken
+
+    def _skip(self):
+        """Run steady-decode spans up to their horizon (planned in doubling chunks); commit
+        each at its end, or up to the step in progress when a request is routed here first.
+        A span may end with the step in which sequences reach their length limit; the next
+        span then follows at once (its horizon re-checks admission against the freed blocks)."""
+        sched, env, fleet = self.scheduler, self.env, self.fleet
+        while sched.requests:
+            if self.inbox or fleet.arrival_pending(self.clock):
+                return                           # an arrival is due at this boundary
+            plan = steady_decode_plan(sched, through_finishes=True)
+            if plan is None:
+                return
+            horizon = plan.horizon
+            span = Span(self, plan)
+            nxt = fleet.next_arrival()
+            if nxt == math.inf:
+                span.extend(min(horizon, FIRST_CHUNK))
+            else:
+                span.extend(1)
+                if horizon > 1:
+                    est = int((nxt - span.start) / span.durations[0]) + 2
+                    span.extend(min(horizon, max(MIN_CHUNK, est)) - 1)
+            self._span = span
+            while True:
+                try:
+                    yield env.timeout(max(0.0, span.ends[-1] - env.now))
+                except simpy.Interrupt:
+                    pass
+                planned = len(span.ends)
+                if span.cut is not None or planned >= horizon:
+                    break
+                span.extend(min(horizon - planned, planned))    # doubling chunks
+            self._span = None
+            k = len(span.ends) if span.cut is None else span.cut
+            self._commit(span, k)
+            if k < len(span.ends):
+                yield env.timeout(max(0.0, span.end_of(k) - env.now))
+            self.clock = span.end_of(k)
+            if self.after_step is not None:
+                self.after_step(self)
+            if k < horizon or not span.finishes:
+                return
 
 
 @dataclass
@@ -93,11 +263,11 @@ def parse_split(text: str) -> tuple[int, int]:
 @dataclass
 class Transfer:
     index: int                      # trace index
-    source: Replica
+    source: PacedReplica
     held: list[int]                 # prefill-side blocks (references taken before the free)
     prompt: list[int]               # prompt + first token
     ready: float                    # prefill finished: KV complete
-    target: Replica | None = None
+    target: PacedReplica | None = None
     reserved: list[int] = field(default_factory=list)
     reserved_at: float = 0.0
     started: float = 0.0
@@ -110,11 +280,13 @@ class DisaggFleet(Fleet):
     def __init__(self, config: DisaggConfig, trace: Trace, *, progress: bool = False):
         config.validate()
         self.dconfig = config
+        self.env = simpy.Environment()
+        self._waiting_for_routing: list[simpy.Event] = []
         super().__init__(FleetConfig(config.replica, config.prefill, config.router), trace, progress=progress, resolved=resolve(config.replica))
         decode_resolved = resolve(replace(config.replica, enable_prefix_caching=True))
         P = config.prefill
         self.prefill = self.replicas[:P]
-        self.decode = [Replica(P + j, decode_resolved, trace, self.env, self) for j in range(config.decode)]
+        self.decode = [PacedReplica(P + j, decode_resolved, trace, self.env, self) for j in range(config.decode)]
         self.replicas = self.prefill + self.decode
         n = len(trace.requests)
         self.first_half: list[RequestRecord | None] = [None] * n
@@ -140,14 +312,49 @@ class DisaggFleet(Fleet):
         self._latency = LINKS[config.link][1]
 
     # -- routing: arrivals go to prefill replicas only -------------------------------------
-    def route(self, request: Request, now: float) -> Replica:
+    def route(self, request: Request, now: float) -> PacedReplica:
         replicas = self.prefill
         if len(replicas) > 1 and self.router.reads_kv:
             for r in replicas:
                 r.sync(now)
         return replicas[self.router.choose(request, replicas) if len(replicas) > 1 else 0]
 
-    def more_work_may_come(self, replica: Replica) -> bool:
+    # -- the SimPy fleet: replicas and transfers as processes, routing at each arrival -------
+    def _make_replicas(self, resolved: ResolvedConfig) -> list:
+        return [PacedReplica(i, resolved, self.trace, self.env, self) for i in range(self.config.replicas)]
+
+    def arrival_pending(self, t: float) -> bool:
+        """Is an arrival at or before t still to be routed?"""
+        return self._next < len(self.arrivals) and self.arrivals[self._next] <= t
+
+    def after_routing(self) -> simpy.Event:
+        """An event the router triggers once it has routed the arrivals now due."""
+        ev = self.env.event()
+        self._waiting_for_routing.append(ev)
+        return ev
+
+    def _router_process(self):
+        env, arrivals, n = self.env, self.arrivals, len(self.arrivals)
+        while self._next < n:
+            t = arrivals[self._next]        # exact: SimPy's now + (t - now) may round
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            self._route_instant(t)
+            waiters, self._waiting_for_routing = self._waiting_for_routing, []
+            for ev in waiters:
+                ev.succeed()
+        for r in self.replicas:              # no more arrivals: let idle replicas stop
+            r.wake(t)
+
+    def _drive(self) -> None:
+        self.env.process(self._router_process())
+        procs = []
+        for r in self.replicas:
+            r.process = self.env.process(r._engine_process())
+            procs.append(r.process)
+        self.env.run(until=simpy.AllOf(self.env, procs))
+
+    def more_work_may_come(self, replica: PacedReplica) -> bool:
         if self._next < len(self.arrivals):
             return True
         # A decode replica waits while a transfer is on its way or a prefill still running
@@ -158,7 +365,7 @@ class DisaggFleet(Fleet):
         return any(p.scheduler.requests or p.inbox for p in self.prefill)
 
     # -- prefill side -------------------------------------------------------------------------
-    def _prefill_before_update(self, replica: Replica):
+    def _prefill_before_update(self, replica: PacedReplica):
         gpu = replica.scheduler.kv.gpu
 
         def hold(out, end):
@@ -169,7 +376,7 @@ class DisaggFleet(Fleet):
                     self._holds[s.seq.request.request_id] = blocks
         return hold
 
-    def _prefill_finish(self, replica: Replica, finish):
+    def _prefill_finish(self, replica: PacedReplica, finish):
         def on_finish(requests):
             finish(requests)
             for request in requests:
@@ -211,11 +418,11 @@ class DisaggFleet(Fleet):
         src.wake(t.done)                                 # it may have been blocked on these blocks
         self._arrive(t)
 
-    def _queued_blocks(self, d: Replica) -> int:
+    def _queued_blocks(self, d: PacedReplica) -> int:
         bs = d.resolved.cache.block_size
         return sum(-(-(len(t.prompt) - 1) // bs) for t in d.queue)
 
-    def _reserve(self, d: Replica, now: float) -> None:
+    def _reserve(self, d: PacedReplica, now: float) -> None:
         """Start the queued transfers to `d` that its pool can now hold (FIFO)."""
         kv = d.scheduler.kv
         bs = d.resolved.cache.block_size
@@ -255,7 +462,7 @@ class DisaggFleet(Fleet):
             for r in self.decode:
                 r.wake(t.done)
 
-    def _decode_after_step(self, d: Replica) -> None:
+    def _decode_after_step(self, d: PacedReplica) -> None:
         """Start transfers that now fit."""
         if d.queue:
             self._reserve(d, d.clock)

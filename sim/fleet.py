@@ -1,11 +1,11 @@
-"""A fleet: N replicas of the same core on one SimPy clock, and a router in front.
+"""A fleet: N replicas of the same core on one clock, and a router in front.
 
     result = simulate_fleet(FleetConfig(SimConfig(...), replicas=4, router="least-kv"), trace)
 
 Every replica is a full `SimEngine` (its own Scheduler, KV cache, prefix cache, executor,
-metrics); nothing is shared between replicas but the clock. A router process walks the
-trace and, at each arrival instant, asks the router policy (`policies.router`) which
-replica takes the request.
+metrics); nothing is shared between replicas but the clock. The fleet walks the trace
+and, at each arrival instant, asks the router policy (`policies.router`) which replica
+takes the request.
 
 What a router sees. At arrival time a, each replica is shown as it will be at its first
 step boundary at or after a (the state the request would meet there): a replica applies
@@ -17,14 +17,23 @@ a replica with a router in front behave exactly like the single engine
 (`sim.engine.SimEngine`) when it sees the same arrivals (tested: a 1-replica fleet gives
 identical records), and the routing decisions independent of event skipping.
 
+Driving. Between two arrival instants nothing outside a replica can change it, so the
+fleet needs no event queue: before routing the arrivals at a it brings each replica to a
+(`Replica.advance_to`), which runs normal steps and spans back to back on the replica's
+own clock as the single engine does, and stops at the first step boundary at or after a,
+idle, or inside a span. (sim.disagg adds KV transfers, events between arrivals, and runs
+its replicas as SimPy processes under the same rules.)
+
 Cost. Replicas skip steady decode spans as the single engine does, spans included that
 end with the step in which sequences reach their length limit (the next span follows at
-once). A replica does not know its next arrival ahead of time: it plans a span up to its
-own horizon and is cut short (`Span.cut`) when a request is routed to it. So a replica
-pays for its own arrivals and finishes only, and a fleet of N replicas costs about N
-single replicas serving 1/N of the load each; routers that read KV state add one partial
-commit per replica and arrival. Other routers still see finishes as of each arrival: a
-span whose finishing step started before the arrival is committed first (`sync_finishes`).
+once). A replica does not know whether the next arrival is its own: a span is planned to
+cover the next arrival and kept pending while the router sends requests elsewhere (its
+plan then grows, at least doubling), and it is cut short (`Span.cut`) when a request is
+routed to it. So a replica pays for its own arrivals and finishes only, plus a constant
+per arrival instant, and a fleet of N replicas costs about N single replicas serving 1/N
+of the load each; routers that read KV state add one partial commit per replica and
+arrival. Other routers still see finishes as of each arrival: a span whose finishing step
+started before the arrival is committed first (`sync_finishes`).
 """
 from __future__ import annotations
 
@@ -32,9 +41,7 @@ import math
 import sys
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass, field, replace
-
-import simpy
+from dataclasses import dataclass, field
 
 from core import Request
 from core.event_skipping import SteadyDecode, fast_forward, steady_decode_plan
@@ -65,10 +72,18 @@ class FleetConfig:
 
 
 # Steps a replica plans when a span starts: those that start before the fleet's next
-# arrival (nothing can cut the span earlier; the estimate as in sim.engine), at least
-# MIN_CHUNK, or FIRST_CHUNK when no arrival is left; a span that is not cut doubles its plan.
-FIRST_CHUNK = 32
+# arrival (the estimate as in sim.engine), at least MIN_CHUNK; while the router sends
+# requests elsewhere, the plan grows to the next arrival, at least doubling (`span_chunk`).
 MIN_CHUNK = 8
+
+
+def span_chunk(span: "Span", a: float) -> int:
+    """Steps to add to a span's plan so that it covers time a (its steps never shorten)."""
+    planned = len(span.ends)
+    left = span.horizon - planned
+    if a == math.inf:
+        return left
+    return min(left, max(int((a - span.ends[-1]) / span.durations[-1]) + 2, planned))
 
 
 class Span:
@@ -105,13 +120,20 @@ class Span:
         starts, late, bs = self._starts, self._late, self._bs
         used, t = self._used, self._t
         used_at, ends = self.used, self.ends
-        for i, dt in enumerate(durations, i0):
-            if late and i in late:
-                starts[i % bs] += late.pop(i)
-            used += starts[i % bs]
-            used_at.append(used)
-            t = t + dt
-            ends.append(t)
+        if late:                                   # contiguous allocation: growth changes mid-span
+            for i, dt in enumerate(durations, i0):
+                if late and i in late:
+                    starts[i % bs] += late.pop(i)
+                used += starts[i % bs]
+                used_at.append(used)
+                t = t + dt
+                ends.append(t)
+        else:
+            for i, dt in enumerate(durations, i0):
+                used += starts[i % bs]
+                used_at.append(used)
+                t = t + dt
+                ends.append(t)
         self.durations += durations
         self._used, self._t = used, t
 
@@ -130,24 +152,31 @@ class Span:
 
 
 class Replica(SimEngine):
-    """One engine of a fleet: requests arrive in its inbox when the router sends them."""
+    """One engine of a fleet: requests arrive in its inbox when the router sends them.
 
-    def __init__(self, index: int, resolved: ResolvedConfig, trace: Trace, env: simpy.Environment,
-                 fleet: "Fleet"):
+    The fleet drives it with `advance_to(a)` (a: the next arrival still to be routed): it
+    runs normal steps back to back on its own clock, as the single engine does, and stops
+    at its first step boundary at or after a, when it runs out of work (it then waits for a
+    delivery), or inside a steady-decode span planned past a (kept pending: committed up
+    to the step in progress when a request is delivered, or when the router reads it)."""
+
+    def __init__(self, index: int, resolved: ResolvedConfig, trace: Trace, fleet: "Fleet"):
         super().__init__(resolved, trace)
         if self._parents is not None:
             raise ValueError("fleets do not run --multi-turn conversations (a turn must follow its "
                              "conversation's replica); drop --multi-turn")
         self.index = index
-        self.env = env
         self.fleet = fleet
         self.inbox: deque[Request] = deque()
         self.served: list[int] = []           # trace indices routed here, in routing order
         self._span: Span | None = None
-        self.process: simpy.Process | None = None
-        self.after_step = None                # callback(replica) after every step (sim.disagg)
-        self.before_update = None             # callback(out, end) before a step's update (sim.disagg)
-        self._woken_at = 0.0                  # exact time of the delivery that ended an idle wait
+        # Waiting (idle, or blocked with nothing that fits) until a delivery: the state
+        # then, for the gap's accounting (used blocks, counts, memory sample).
+        self._waiting: tuple | None = None
+        self._span_due = False                # at the clock: try a span before the next normal step
+        # advance_to(a) has nothing to do for a <= quiet_until (a wait, a pending span's
+        # planned end, or a step boundary past the last arrival routed); -inf after a delivery.
+        self.quiet_until = -math.inf
 
     # -- what the router sees ----------------------------------------------------------
     @property
@@ -179,150 +208,128 @@ class Replica(SimEngine):
             self._commit(span, span.horizon)
 
     def deliver(self, request: Request, now: float) -> None:
-        """Take `request` at time `now` (the exact arrival time; SimPy's clock is `now` up to
-        rounding): it enters at this replica's next step boundary."""
+        """Take `request` at time `now` (its exact arrival time): it enters at this
+        replica's next step boundary (a pending span stops at the step in progress)."""
         self.sync(now)
         self.inbox.append(request)
         self.served.append(request.user_data)
         span = self._span
+        self.quiet_until = -math.inf
         if span is not None and span.cut is None:
             span.cut = span.steps_started_before(now)
-            self.process.interrupt()
         else:
             self.wake(now)
 
-    def interrupt_at(self, t: float) -> None:
-        """Stop a pending span at the step boundary at or after t (something outside the
-        replica is about to change its KV pool, e.g. a KV transfer)."""
-        self.sync(t)
-        span = self._span
-        if span is not None and span.cut is None:
-            span.cut = span.done
-            self.process.interrupt()
-
     def wake(self, t: float) -> None:
-        """End an idle or blocked wait at time t (exact)."""
-        if self._wake is not None and not self._wake.triggered:
-            self._woken_at = t
-            self._wake.succeed()
-
-    # -- the engine loop -----------------------------------------------------------------
-    def _intake_inbox(self) -> None:
-        inbox, add = self.inbox, self._add
-        while inbox:
-            add(inbox.popleft())
-
-    def _engine_process(self):
-        env, sched, ex, fleet = self.env, self.scheduler, self.executor, self.fleet
-        gpu = sched.kv.gpu
-        skipping = self.event_skipping
-        step_time, execute, update, schedule = ex.step_time, ex.execute_model, sched.update, sched.schedule
-        account, timeseries, mem_add = self._account, self.timeseries, self.memory.add
-        while True:
-            clock = self.clock
-            if fleet.arrival_pending(clock):       # route this instant's arrivals first
-                yield fleet.after_routing()
-                continue
-            if self.inbox:
-                self._intake_inbox()
-            if not sched.requests:
-                if not fleet.more_work_may_come(self):
-                    break
-                yield from self._wait(clock)
-                if not self.inbox and not sched.requests and not fleet.more_work_may_come(self):
-                    break
-                continue
-            out = schedule(clock)
-            dt = step_time(out)
-            if dt <= 0.0:
-                self._finish(update(out, _EMPTY_RESULT, clock).finished)
-                if sched.requests:
-                    # Nothing fits: blocks held for KV transfers (sim.disagg) come back
-                    # when a transfer ends, which wakes this replica.
-                    yield from self._wait(clock)
-                continue
-            result = execute(out)
-            used = gpu.num_used
-            running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
-            account(dt, used, running, waiting, swapped)
-            mem = memory_sample(sched)
-            mem_add(dt, mem)
-            timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
-                               out.num_batched_tokens, len(out.preempted), *mem[:4]))
-            end = clock + dt
-            # Apply the step's results now: the router then sees this replica as it will
-            # be at the step's end (see the module docstring); stamps use `end`.
-            self.num_steps += 1
-            self.num_normal_steps += 1
-            if self.before_update is not None:
-                self.before_update(out, end)
-            self._finish(update(out, result, end).finished)
-            yield env.timeout(max(0.0, end - env.now))
-            self.clock = end
-            if self.after_step is not None:
-                self.after_step(self)
-            if skipping and sched.requests:
-                yield from self._skip()
-
-    def _wait(self, clock: float):
-        """Idle (or blocked) until something is delivered or freed; account the gap."""
-        sched, gpu = self.scheduler, self.scheduler.kv.gpu
-        used = gpu.num_used
-        counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
-        mem = memory_sample(sched)
-        self._wake = self.env.event()
-        yield self._wake
-        self._wake = None
-        woken = self._woken_at
-        dt = woken - clock
+        """End a wait at time t (exact): account the idle (or blocked) gap."""
+        waiting = self._waiting
+        if waiting is None:
+            return
+        self._waiting = None
+        self.quiet_until = -math.inf
+        clock = self.clock
+        dt = t - clock
         if dt > 0:
+            used, counts, mem = waiting
             self._account(dt, used, *counts)
             self.memory.add(dt, mem)
             self.timeseries.append((clock, dt, 0, used, *counts, 0, 0, 0, *mem[:4]))
-            self.clock = woken
+            self.clock = t
 
-    def _skip(self):
-        """Run steady-decode spans up to their horizon (planned in doubling chunks); commit
-        each at its end, or up to the step in progress when a request is routed here first.
-        A span may end with the step in which sequences reach their length limit; the next
-        span then follows at once (its horizon re-checks admission against the freed blocks)."""
-        sched, env, fleet = self.scheduler, self.env, self.fleet
-        while sched.requests:
-            if self.inbox or fleet.arrival_pending(self.clock):
-                return                           # an arrival is due at this boundary
-            plan = steady_decode_plan(sched, through_finishes=True)
-            if plan is None:
+    def _wait(self) -> None:
+        sched = self.scheduler
+        self._waiting = (sched.kv.gpu.num_used, (len(sched.running), len(sched.waiting), len(sched.swapped)),
+                         memory_sample(sched))
+        self.quiet_until = math.inf
+
+    # -- the engine loop ---------------------------------------------------------------------
+    def advance_to(self, a: float) -> None:
+        """Run what starts before time a, the next arrival still to be routed (inf: none is
+        left). Routing at a then sees this replica as at its first step boundary at or after
+        a: normal steps apply their results when they start, a pending span commits lazily."""
+        if self._waiting is not None:
+            return                                   # only a delivery ends a wait
+        sched, ex = self.scheduler, self.executor
+        gpu = sched.kv.gpu
+        skipping = self.event_skipping
+        while True:
+            span = self._span
+            if span is not None:
+                if span.cut is None:
+                    planned = len(span.ends)
+                    if span.ends[-1] < a and planned < span.horizon:
+                        span.extend(span_chunk(span, a))
+                        continue
+                    if span.ends[-1] >= a:
+                        self.quiet_until = span.ends[-1]
+                        return                       # still running when the router looks at a
+                    k = planned                      # ran to its horizon before a
+                else:
+                    k = span.cut
+                self._span = None
+                self._commit(span, k)
+                self.clock = span.end_of(k)
+                # A span that ends in finishes is followed at once by the next one.
+                self._span_due = k == span.horizon and span.finishes
+            clock = self.clock
+            if clock >= a:
+                self.quiet_until = clock
+                return                               # the router routes a first
+            if self._span_due:
+                # The boundary after a normal step (or a span ending in finishes): a span
+                # starts here unless a request was delivered meanwhile, as in sim.engine.
+                self._span_due = False
+                if not self.inbox and self._start_span(a):
+                    continue
+            if self.inbox:
+                inbox, add = self.inbox, self._add
+                while inbox:
+                    add(inbox.popleft())
+            if not sched.requests:
+                self._wait()
                 return
-            horizon = plan.horizon
-            span = Span(self, plan)
-            nxt = fleet.next_arrival()
-            if nxt == math.inf:
-                span.extend(min(horizon, FIRST_CHUNK))
-            else:
-                span.extend(1)
-                if horizon > 1:
-                    est = int((nxt - span.start) / span.durations[0]) + 2
-                    span.extend(min(horizon, max(MIN_CHUNK, est)) - 1)
-            self._span = span
-            while True:
-                try:
-                    yield env.timeout(max(0.0, span.ends[-1] - env.now))
-                except simpy.Interrupt:
-                    pass
-                planned = len(span.ends)
-                if span.cut is not None or planned >= horizon:
-                    break
-                span.extend(min(horizon - planned, planned))    # doubling chunks
-            self._span = None
-            k = len(span.ends) if span.cut is None else span.cut
-            self._commit(span, k)
-            if k < len(span.ends):
-                yield env.timeout(max(0.0, span.end_of(k) - env.now))
-            self.clock = span.end_of(k)
-            if self.after_step is not None:
-                self.after_step(self)
-            if k < horizon or not span.finishes:
-                return
+            out = sched.schedule(clock)
+            dt = ex.step_time(out)
+            if dt <= 0.0:
+                self._finish(sched.update(out, _EMPTY_RESULT, clock).finished)
+                if sched.requests:
+                    self._wait()                     # nothing fits: only a delivery changes that
+                    return
+                continue
+            result = ex.execute_model(out)
+            used = gpu.num_used
+            running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
+            self._account(dt, used, running, waiting, swapped)
+            mem = memory_sample(sched)
+            self.memory.add(dt, mem)
+            self.timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
+                                    out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            end = clock + dt
+            self.clock = end
+            self.num_steps += 1
+            self.num_normal_steps += 1
+            self._finish(sched.update(out, result, end).finished)
+            self._span_due = skipping
+
+    def _start_span(self, a: float) -> bool:
+        """Plan a steady-decode span from the clock (False: none now), its first chunk
+        covering the steps that start before a."""
+        sched = self.scheduler
+        if not sched.requests:
+            return False
+        plan = steady_decode_plan(sched, through_finishes=True)
+        if plan is None:
+            return False
+        span = Span(self, plan)
+        horizon = plan.horizon
+        if a == math.inf or horizon == 1:
+            span.extend(horizon)                     # nothing can cut it, or one step
+        else:
+            # Steps never get shorter as contexts grow: at most (a - start) / first + 1 start before a.
+            first = self.executor.decode_step_times(plan.num_seqs, plan.context_sum, 1)[0]
+            span.extend(min(horizon, max(MIN_CHUNK, int((a - span.start) / first) + 2)))
+        self._span = span
+        return True
 
     def _commit(self, span: Span, k: int) -> None:
         """Apply steps [span.done, k) to the core, with their time-weighted accounting
@@ -371,43 +378,34 @@ class FleetResult:
 
 
 class Fleet:
-    """Replicas + router on one SimPy environment."""
+    """Replicas + router. The fleet walks the trace's arrival instants in order: it brings
+    every replica to the instant (`Replica.advance_to`), then routes all of the instant's
+    arrivals. Replicas share nothing but the clock, so none needs to wait for another
+    between two arrival instants: no event queue is involved (sim.disagg adds KV transfers,
+    events between arrivals, and runs its replicas as SimPy processes)."""
 
     def __init__(self, config: FleetConfig, trace: Trace, *, progress: bool = False,
                  resolved: ResolvedConfig | None = None):
         config.validate()
         self.config = config
         self.trace = trace
-        self.env = simpy.Environment()
         resolved = resolved or resolve(config.replica)
-        self.replicas = [Replica(i, resolved, trace, self.env, self) for i in range(config.replicas)]
+        self.replicas = self._make_replicas(resolved)
         self.router = make_policy("router", config.router)
         self.arrivals = [r.arrival_time for r in trace.requests]
         self._next = 0                       # next trace request to route
         self.records: list = [None] * len(trace.requests)
         self.replica_of = [-1] * len(trace.requests)
         self.progress = progress
-        self._waiting_for_routing: list[simpy.Event] = []
         for r in self.replicas:
             r.records = self.records         # replicas record into the fleet's list, trace order
 
-    # -- coordination with replicas ---------------------------------------------------------
+    def _make_replicas(self, resolved: ResolvedConfig) -> list:
+        return [Replica(i, resolved, self.trace, self) for i in range(self.config.replicas)]
+
     def next_arrival(self) -> float:
         """Time of the next arrival still to be routed (inf when none is left)."""
         return self.arrivals[self._next] if self._next < len(self.arrivals) else math.inf
-
-    def arrival_pending(self, t: float) -> bool:
-        """Is an arrival at or before t still to be routed?"""
-        return self._next < len(self.arrivals) and self.arrivals[self._next] <= t
-
-    def after_routing(self) -> simpy.Event:
-        """An event the router triggers once it has routed the arrivals now due."""
-        ev = self.env.event()
-        self._waiting_for_routing.append(ev)
-        return ev
-
-    def more_work_may_come(self, replica: Replica) -> bool:
-        return self._next < len(self.arrivals)
 
     # -- routing --------------------------------------------------------------------------
     def make_request(self, i: int) -> Request:
@@ -430,24 +428,34 @@ class Fleet:
                 r.sync_finishes(now)
         return replicas[self.router.choose(request, replicas)]
 
-    def _router_process(self):
-        env, arrivals, n = self.env, self.arrivals, len(self.arrivals)
+    def _route_instant(self, t: float) -> None:
+        """Route every arrival at time t (exact trace times: equal ones route together)."""
+        arrivals, n = self.arrivals, len(self.arrivals)
+        while self._next < n and arrivals[self._next] <= t:
+            i = self._next
+            request = self.make_request(i)
+            target = self.route(request, t)
+            self.replica_of[i] = target.index
+            self._next = i + 1
+            target.deliver(request, t)
+
+    def _drive(self) -> None:
+        replicas, arrivals, n = self.replicas, self.arrivals, len(self.arrivals)
         while self._next < n:
-            t = arrivals[self._next]        # exact: SimPy's now + (t - now) may round
-            if t > env.now:
-                yield env.timeout(t - env.now)
-            while self._next < n and arrivals[self._next] <= t:
-                i = self._next
-                request = self.make_request(i)
-                target = self.route(request, t)
-                self.replica_of[i] = target.index
-                self._next = i + 1
-                target.deliver(request, t)
-            waiters, self._waiting_for_routing = self._waiting_for_routing, []
-            for ev in waiters:
-                ev.succeed()
-        for r in self.replicas:              # no more arrivals: let idle replicas stop
-            r.wake(t)
+            t = arrivals[self._next]
+            for r in replicas:
+                if t > r.quiet_until:
+                    r.advance_to(t)
+            self._route_instant(t)
+            last = t
+        if n:
+            for r in replicas:               # idle replicas wait until the last arrival instant
+                r.wake(last)
+        for r in replicas:
+            r.advance_to(math.inf)
+            if r.scheduler.requests:
+                raise RuntimeError(f"replica {r.index}: the scheduler made no progress at t={r.clock:.6f} "
+                                   f"with {len(r.scheduler.requests)} unfinished requests")
 
     # -- run ------------------------------------------------------------------------------
     def run(self) -> FleetResult:
@@ -459,12 +467,7 @@ class Fleet:
         for r in self.replicas:
             r._pbar = pbar
         try:
-            self.env.process(self._router_process())
-            procs = []
-            for r in self.replicas:
-                r.process = self.env.process(r._engine_process())
-                procs.append(r.process)
-            self.env.run(until=simpy.AllOf(self.env, procs))
+            self._drive()
         finally:
             if pbar is not None:
                 pbar.close()

@@ -102,6 +102,7 @@ def test_one_replica_fleet_is_the_single_engine(sharegpt, skipping, settings):
         rep = fleet.replicas[0]
         assert rep.time_weighted == single.time_weighted
         assert rep.memory_breakdown == single.memory_breakdown
+        assert rep.timeseries == single.timeseries       # the same steps and spans, cut at the same points
         assert rep.num_preemptions == single.num_preemptions > 0 or not settings
         assert rep.sim_time == single.sim_time
 
@@ -204,3 +205,100 @@ def test_cli_fleet_and_disaggregated_runs_write_fleet_results(tmp_path, capsys):
         args = [a for a in common if a not in ("--slo-ttft", "--slo-tpot", "1", "0.1")] + bad
         assert cli_main(args + ["--out", str(tmp_path / "x")]) == 2
         assert msg in capsys.readouterr().err
+
+
+# --- what the router sees: the sequential driver (Replica.advance_to) -----------------------------
+
+class RecordingRouter:
+    """Wraps a router; logs, per routed request, every replica as the router sees it:
+    outstanding requests, and (for routers that read KV state) blocks in use."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.reads_kv = inner, inner.name, inner.reads_kv
+        self.views: list[tuple] = []
+
+    def choose(self, request, replicas):
+        self.views.append(tuple((r.outstanding, r.scheduler.kv.gpu.num_used if self.reads_kv else None)
+                                for r in replicas))
+        return self.inner.choose(request, replicas)
+
+
+def routed_views(config, n, router, trace):
+    from sim.fleet import Fleet
+    fleet = Fleet(FleetConfig(config, n, router), trace)
+    fleet.router = RecordingRouter(fleet.router)
+    return fleet.run(), fleet.router.views
+
+
+def step_boundaries(result) -> list[float]:
+    """A replica's step (and idle-gap) boundaries, from its timeseries rows."""
+    out = []
+    for row in result.timeseries:
+        out += [row[0], row[0] + row[1]]
+    return sorted(set(out))
+
+
+@settings(max_examples=min(settings().max_examples, 200))
+@given(st.integers(2, 3), st.lists(st.integers(0, 3), min_size=4, max_size=20), st.floats(0.0, 0.15),
+       st.sampled_from(list(REGISTRY["router"])), st.integers(3, 40))
+def test_routers_see_every_replica_at_its_first_step_boundary_at_or_after_the_arrival(n, groups, gap, router,
+                                                                                        out_len):
+    """Event skipping must not change what the router sees at any arrival (outstanding
+    requests, KV blocks in use), and a request enters its replica at that replica's first
+    step boundary at or after its arrival (here nothing waits for memory or batch slots)."""
+    trace = shared_prefix_trace(groups, [gap * ((i * 5) % 4) for i in range(len(groups))], 2, out_len)
+    config = replace(SMALL, enable_prefix_caching=True, num_gpu_blocks=4000, max_num_seqs=64)
+    skip, skip_views = routed_views(replace(config, event_skipping=True), n, router, trace)
+    step, step_views = routed_views(replace(config, event_skipping=False), n, router, trace)
+    assert skip_views == step_views
+    assert skip.replica_of == step.replica_of and skip.records == step.records
+    for i, rec in enumerate(step.records):
+        rep = step.replicas[step.replica_of[i]]
+        # an idle gap's row ends at the delivery that ended it (up to rounding of start + length)
+        first = min(b for b in step_boundaries(rep) if b >= rec.arrival_time - 1e-9)
+        assert abs(rec.first_scheduled_time - max(first, rec.arrival_time)) < 1e-9
+
+
+# Gaps around one step (~8 ms here): arrivals for other replicas land inside a replica's steps.
+arrivals = st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 0.002, 0.006, 0.02, 0.06, 0.15])),
+                    min_size=4, max_size=20)
+
+
+@settings(max_examples=min(settings().max_examples, 150))
+@given(st.integers(1, 3), arrivals, st.sampled_from(list(REGISTRY["router"])), st.booleans(), st.integers(3, 40))
+def test_each_replica_is_the_single_engine_on_the_requests_routed_to_it(n, arrivals, router, skipping, out_len):
+    """Between arrival instants a replica runs alone on its own clock: it must take exactly
+    the steps and spans the single engine takes on the requests it was sent (at their
+    times), so its records match; under routers that do not read KV state (no partial span
+    commits) so do its timeseries rows, up to the idle gap a replica counts until the
+    fleet's last arrival."""
+    trace = shared_prefix_trace([g for g, _ in arrivals], [gap for _, gap in arrivals], 2, out_len)
+    config = replace(SMALL, enable_prefix_caching=True, event_skipping=skipping, max_num_seqs=4)
+    fleet = simulate_fleet(FleetConfig(config, n, router), trace)
+    for k, rep in enumerate(fleet.replicas):
+        idx = [i for i, r in enumerate(fleet.replica_of) if r == k]
+        alone = simulate(resolve(config), Trace([trace.requests[i] for i in idx], trace.source))
+        assert alone.records == [fleet.records[i] for i in idx]
+        if not make("router", router).reads_kv:
+            rows = rep.timeseries
+            while rows and rows[-1][2] == 0 and len(rows) > len(alone.timeseries):
+                rows = rows[:-1]                 # the idle gap until the fleet's last arrival
+            assert rows == alone.timeseries
+
+
+@pytest.mark.parametrize("skipping", [True, False])
+def test_an_arrival_exactly_at_a_step_boundary_enters_at_that_boundary(skipping):
+    """Arrivals at or before a replica's clock are routed (and taken) before it starts the
+    step at its clock, as the single engine takes arrivals <= its clock."""
+    config = replace(SMALL, event_skipping=skipping)
+    first = TraceRequest("r0", 0.0, 40, 30, prompt_token_ids=list(range(1, 41)))
+    boundary = simulate(resolve(config), Trace([first], "one")).records[0].token_times[3]  # a decode step's end
+    reqs = [first, TraceRequest("r1", 0.0, 40, 30, prompt_token_ids=list(range(2, 42))),
+            TraceRequest("r2", boundary, 40, 30, prompt_token_ids=list(range(3, 43)))]
+    trace = Trace(reqs, "boundary")
+    alone = simulate(resolve(config), Trace([reqs[0], reqs[2]], "r0 and r2"))
+    assert alone.records[1].first_scheduled_time == boundary
+    res = simulate_fleet(FleetConfig(config, 2, "round-robin"), trace)
+    assert res.replica_of == [0, 1, 0]
+    assert res.records[2].first_scheduled_time == boundary
+    assert [res.records[0], res.records[2]] == alone.records
