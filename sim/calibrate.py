@@ -131,11 +131,12 @@ def format_report(model: dict) -> str:
     rows = served["rows"]
     lines = [f"served calibration on {served['n']} logged steps "
              f"(grid model predicts {sum(r[2] for r in rows):.2f}s, logged {sum(r[3] for r in rows):.2f}s):",
-             "held-out relative error (k-fold over the steps): fold total mean | single steps median, per family"]
+             "held-out relative error (k-fold over the steps): all folds' total | fold total mean | "
+             "single steps median, per family"]
     for fam, e in served["held_out"].items():
         mark = "*" if fam == served["family"] else " "
-        lines.append(f"  {mark} {fam:12s} total {e['total']['mean'] * 100:5.1f}% | step median "
-                     f"{e['step']['median'] * 100:5.1f}%  (n={e['step']['n']})")
+        lines.append(f"  {mark} {fam:12s} pooled {e.get('pooled', float('nan')) * 100:5.1f}% | total "
+                     f"{e['total']['mean'] * 100:5.1f}% | step median {e['step']['median'] * 100:5.1f}%  (n={e['step']['n']})")
     lines.append("factors: " + (", ".join(f"{k} x{v:.3f}" for k, v in sorted(served["factors"].items())) or "none"))
     lines.append(f"client delay (median over {client['n']} requests): first token +{client['first_token_s'] * 1e3:.1f} ms, "
                  f"last token +{client['last_token_s'] * 1e3:.1f} ms after the engine made it")
