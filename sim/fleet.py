@@ -44,11 +44,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from core import Request
-from core.event_skipping import SteadyDecode, fast_forward, steady_decode_plan
+from core.event_skipping import (SteadyDecode, describe_steady_decode, fast_forward, renew_steady_plan,
+                                 schedule_steady_step, update_steady_step)
 from core.metrics import summarize
 from policies import make as make_policy
 from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
-from sim.memory import SpanModel, block_growth_steps, sample as memory_sample
+from sim.memory import SpanModel, growth_from_offsets, sample as memory_sample
 from traces import Trace
 
 
@@ -103,12 +104,12 @@ class Span:
         # A sequence with c cached tokens and a table of b blocks takes a new block at steps
         # j0 = b * block_size - c, j0 + block_size, ... (as sim.engine's span accounting).
         bs = self._bs = replica.resolved.cache.block_size
-        self._starts, self._late = block_growth_steps(sched, bs, plan.seqs)
+        self._starts, self._late = growth_from_offsets(plan.offsets, bs)
         self._used = sched.kv.gpu.num_used
         self.durations: list[float] = []
         self.ends: list[float] = []
         self.used: list[int] = []
-        self.model = SpanModel(sched, self._num_seqs, self._starts, self._late)
+        self.model = SpanModel(sched, self._num_seqs, self._starts, self._late, plan.offsets)
         self.counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
         self.done = 0            # steps already applied to the core
         self.cut: int | None = None
@@ -288,27 +289,42 @@ class Replica(SimEngine):
             if not sched.requests:
                 self._wait()
                 return
-            out = sched.schedule(clock)
-            dt = ex.step_time(out)
-            if dt <= 0.0:
-                self._finish(sched.update(out, _EMPTY_RESULT, clock).finished)
-                if sched.requests:
-                    self._wait()                     # nothing fits: only a delivery changes that
-                    return
-                continue
+            # The step that admits arrivals after a span takes the plan's decodes in bulk, as
+            # in sim.engine (core.event_skipping.schedule_steady_step).
+            steady = self._steady
+            step = schedule_steady_step(sched, steady, clock) if steady is not None else None
+            if step is None:
+                self._steady = None
+                out = sched.schedule(clock)
+                dt = ex.step_time(out)
+                if dt <= 0.0:
+                    self._finish(sched.update(out, _EMPTY_RESULT, clock).finished)
+                    if sched.requests:
+                        self._wait()                 # nothing fits: only a delivery changes that
+                        return
+                    continue
+                num_seqs, num_tokens = len(out.scheduled), out.num_batched_tokens
+            else:
+                out = step.out
+                dt = ex.step_time(out, step.num_decodes, step.decode_context_sum)
+                num_seqs, num_tokens = step.num_seqs, step.num_batched_tokens
             result = ex.execute_model(out)
             used = gpu.num_used
             running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
             self._account(dt, used, running, waiting, swapped)
             mem = memory_sample(sched)
             self.memory.add(dt, mem)
-            self.timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
-                                    out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            self.timeseries.append((clock, dt, 1, used, running, waiting, swapped, num_seqs,
+                                    num_tokens, len(out.preempted), *mem[:4]))
             end = clock + dt
             self.clock = end
             self.num_steps += 1
             self.num_normal_steps += 1
-            self._finish(sched.update(out, result, end).finished)
+            if step is None:
+                self._finish(sched.update(out, result, end).finished)
+            else:
+                self._finish(update_steady_step(sched, step, result, end, ex.token_ids, ex.extend_tokens).finished)
+                self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted)
             self._span_due = skipping
 
     def _start_span(self, a: float) -> bool:
@@ -317,8 +333,15 @@ class Replica(SimEngine):
         sched = self.scheduler
         if not sched.requests:
             return False
-        plan = steady_decode_plan(sched, through_finishes=True)
+        # The running set's plan, carried from the last span or steady step (renewed), as
+        # in sim.engine; else from a pass.
+        plan = self._steady
         if plan is None:
+            plan = describe_steady_decode(sched, through_finishes=True)
+        elif plan.applied:
+            plan = renew_steady_plan(sched, plan, through_finishes=True)
+        self._steady = plan
+        if plan is None or plan.horizon <= 0:
             return False
         span = Span(self, plan)
         horizon = plan.horizon
@@ -353,9 +376,12 @@ class Replica(SimEngine):
         num_seqs = span.model.n
         self.timeseries.append((t0, length, k - i0, piece_used / length, running, waiting, swapped,
                                 num_seqs, num_seqs, 0, *mem_means))
-        result = fast_forward(sched, k - i0, span.ends[i0:k], self.executor.token_ids, span.plan)
+        ex = self.executor
+        result = fast_forward(sched, k - i0, span.ends[i0:k], ex.token_ids, span.plan, ex.extend_tokens)
         # Sequences that finished at the span's last step gave their blocks back.
         shrunk = k == span.horizon and span.finishes
+        # The plan still describes the running set (its steps counted), less what finished.
+        self._steady = renew_steady_plan(sched, span.plan, through_finishes=True) if shrunk else span.plan
         if sched.kv.gpu.num_used != used_at[k - 1] and not (shrunk and sched.kv.gpu.num_used < used_at[k - 1]):
             raise RuntimeError(f"replica {self.index}: KV usage {sched.kv.gpu.num_used} after a span, "
                                f"expected {used_at[k - 1]}")
