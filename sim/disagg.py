@@ -114,9 +114,7 @@ class PacedReplica(Replica):
                 yield fleet.after_routing()
                 continue
             if self.inbox:
-                inbox, add = self.inbox, self._add
-                while inbox:
-                    add(inbox.popleft())
+                self._intake_inbox()
             if not sched.requests:
                 if not fleet.more_work_may_come(self):
                     break

@@ -490,16 +490,11 @@ class SimEngine:
         while self._span() and self.scheduler.requests:
             pass
 
-    def _span(self) -> bool:
-        """Apply one span of steady decode steps (the clock moves to its end); True when it
-        ran to its horizon and sequences finished there (a next span may follow at once)."""
+    def _span_plan(self):
+        """The running set as a plan for a span starting now: kept from the last span or
+        steady step (renewed: no pass over every sequence), else from a pass; kept in
+        `_steady`. None when not every running sequence is a plain decode."""
         sched = self.scheduler
-        t = start = self.clock
-        limit = self._next_event()
-        if limit <= t:
-            return False
-        # The running set as a plan: kept from the last span or steady step (renewed: no
-        # pass over every sequence), else from a pass.
         plan = self._steady
         if plan is None:
             plan = describe_steady_decode(sched, through_finishes=True)
@@ -508,6 +503,17 @@ class SimEngine:
         if CHECK_SPANS:
             _check_renewed(plan, describe_steady_decode(sched, through_finishes=True))
         self._steady = plan
+        return plan
+
+    def _span(self) -> bool:
+        """Apply one span of steady decode steps (the clock moves to its end); True when it
+        ran to its horizon and sequences finished there (a next span may follow at once)."""
+        sched = self.scheduler
+        t = start = self.clock
+        limit = self._next_event()
+        if limit <= t:
+            return False
+        plan = self._span_plan()
         if plan is None or plan.horizon <= 0:
             return False
         horizon, num_seqs, context_sum = plan.horizon, plan.num_seqs, plan.context_sum

@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from core import Request
-from core.event_skipping import (SteadyDecode, describe_steady_decode, fast_forward, renew_steady_plan,
+from core.event_skipping import (SteadyDecode, fast_forward, renew_steady_plan,
                                  schedule_steady_step, update_steady_step)
 from core.metrics import summarize
 from policies import make as make_policy
@@ -221,6 +221,12 @@ class Replica(SimEngine):
         else:
             self.wake(now)
 
+    def _intake_inbox(self) -> None:
+        """The delivered requests enter the scheduler (at this step boundary)."""
+        inbox, add = self.inbox, self._add
+        while inbox:
+            add(inbox.popleft())
+
     def wake(self, t: float) -> None:
         """End a wait at time t (exact): account the idle (or blocked) gap."""
         waiting = self._waiting
@@ -283,9 +289,7 @@ class Replica(SimEngine):
                 if not self.inbox and self._start_span(a):
                     continue
             if self.inbox:
-                inbox, add = self.inbox, self._add
-                while inbox:
-                    add(inbox.popleft())
+                self._intake_inbox()
             if not sched.requests:
                 self._wait()
                 return
@@ -333,14 +337,7 @@ class Replica(SimEngine):
         sched = self.scheduler
         if not sched.requests:
             return False
-        # The running set's plan, carried from the last span or steady step (renewed), as
-        # in sim.engine; else from a pass.
-        plan = self._steady
-        if plan is None:
-            plan = describe_steady_decode(sched, through_finishes=True)
-        elif plan.applied:
-            plan = renew_steady_plan(sched, plan, through_finishes=True)
-        self._steady = plan
+        plan = self._span_plan()                  # carried and renewed, as in sim.engine
         if plan is None or plan.horizon <= 0:
             return False
         span = Span(self, plan)
