@@ -54,10 +54,15 @@ class SteadyDecode:
 
     def current_offsets(self, block_size: int) -> list[int]:
         """`offsets` after the `applied` steps."""
-        a = self.applied
-        if not a:
-            return self.offsets
-        return [j - a if a <= j else (j - a) % block_size for j in self.offsets]
+        return shifted_offsets(self.offsets, self.applied, block_size)
+
+
+def shifted_offsets(offsets: list[int], steps: int, block_size: int) -> list[int]:
+    """Block offsets (`KVManager.decode_block_offsets`) after `steps` decode steps: a
+    sequence that took its block at step j <= steps takes the next one every block_size."""
+    if not steps:
+        return offsets
+    return [j - steps if steps <= j else (j - steps) % block_size for j in offsets]
 
 
 def steady_decode_horizon(sched: "Scheduler", through_finishes: bool = False) -> int:
@@ -175,9 +180,8 @@ def renew_steady_plan(sched: "Scheduler", plan: SteadyDecode, through_finishes: 
         if admitted:
             seqs = list(seqs)
         lefts = [left - a for left in lefts]
-    if a:
-        offsets = [j - a if a <= j else (j - a) % bs for j in offsets]
-    elif offsets is plan.offsets:
+    offsets = shifted_offsets(offsets, a, bs)
+    if offsets is plan.offsets:
         offsets = list(offsets)
     if admitted:
         max_len = sched.config.max_model_len
@@ -255,9 +259,7 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
                     done.append(seq)
     if plan is not None:
         applied -= k                              # the steps applied before these
-        offsets = plan.offsets if not applied else [
-            j - applied if applied <= j else (j - applied) % sched.kv.block_size for j in plan.offsets]
-        sched.kv.advance_decodes(seqs, k, offsets)
+        sched.kv.advance_decodes(seqs, k, shifted_offsets(plan.offsets, applied, sched.kv.block_size))
     else:
         sched.kv.advance_decodes(seqs, k)
     for seq in seqs:
