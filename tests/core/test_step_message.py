@@ -61,6 +61,17 @@ class MirroringExecutor(ToyExecutor):
         return super().execute_model(out)
 
 
+def add_mixed_workload(engine, lengths, outs, ns, beam) -> None:
+    """Requests r0.. with a common 8-token prefix (prefix-cache hits), prompts of `lengths`
+    (cut at 36), `outs` tokens each, n = `ns` samples; r0 a width-2 beam search if `beam`."""
+    shared = [7, 8, 9, 10, 11, 12, 13, 14]
+    for i, n in enumerate(lengths):
+        prompt = (shared + [(i * 5 + j) % VOCAB for j in range(n)])[:36]
+        params = (SamplingParams(beam_width=2, max_tokens=outs[i], temperature=0.0) if beam and i == 0 else
+                  SamplingParams(n=ns[i], max_tokens=outs[i]))
+        engine.add_request(Request(f"r{i}", prompt, params, eos_token_id=None))
+
+
 @given(
     lengths=st.lists(st.integers(1, 20), min_size=1, max_size=8),
     outs=st.lists(st.integers(1, 12), min_size=8, max_size=8),
@@ -80,12 +91,7 @@ def test_workers_rebuild_the_schedulers_view(lengths, outs, ns, beam, preemption
                       PolicySet.from_names(preemption=preemption))
     ex = MirroringExecutor()
     engine = EngineCore(sched, ex)
-    shared = [7, 8, 9, 10, 11, 12, 13, 14]            # a common prefix: prefix-cache hits
-    for i, n in enumerate(lengths):
-        prompt = (shared + [(i * 5 + j) % VOCAB for j in range(n)])[:36]
-        params = (SamplingParams(beam_width=2, max_tokens=outs[i], temperature=0.0) if beam and i == 0 else
-                  SamplingParams(n=ns[i], max_tokens=outs[i]))
-        engine.add_request(Request(f"r{i}", prompt, params, eos_token_id=None))
+    add_mixed_workload(engine, lengths, outs, ns, beam)
     steps = 0
     while sched.has_unfinished_requests() or sched._finished:
         engine.step()

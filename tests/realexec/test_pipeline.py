@@ -186,9 +186,9 @@ def test_step_messages_stay_true_with_batches_in_flight(lengths, outs, ns, beam,
     """The message builder's assumptions (departures sent once a request has left; a
     replaced table sent whole as `resumed`) hold when P batches are out: what the workers
     rebuild always equals the scheduler's view, and after the last departure nothing is left."""
-    from core import CacheConfig, EngineCore, Request, Scheduler, SchedulerConfig
+    from core import CacheConfig, EngineCore, Scheduler, SchedulerConfig
     from policies import PolicySet
-    from tests.core.toy_executor import VOCAB
+    from tests.core.test_step_message import add_mixed_workload
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=seats + 2, max_num_batched_tokens=budget, max_model_len=40,
                                       pipeline_parallel_size=pp),
@@ -197,12 +197,7 @@ def test_step_messages_stay_true_with_batches_in_flight(lengths, outs, ns, beam,
                       PolicySet.from_names(preemption=preemption))
     ex = PipelinedMirror()
     engine = EngineCore(sched, ex, max_concurrent_batches=pp)
-    shared = [7, 8, 9, 10, 11, 12, 13, 14]
-    for i, n in enumerate(lengths):
-        prompt = (shared + [(i * 5 + j) % VOCAB for j in range(n)])[:36]
-        params = (SamplingParams(beam_width=2, max_tokens=outs[i], temperature=0.0) if beam and i == 0 else
-                  SamplingParams(n=ns[i], max_tokens=outs[i]))
-        engine.add_request(Request(f"r{i}", prompt, params, eos_token_id=None))
+    add_mixed_workload(engine, lengths, outs, ns, beam)
     steps = 0
     while sched.has_unfinished_requests() or sched.has_unreported_finishes or engine.num_in_flight:
         engine.step()
