@@ -69,6 +69,19 @@ def mp_llm(tiny):
     llm.shutdown()
 
 
+def kill_actor_mid_run(llm: LLM, rank: int) -> None:
+    """SIGKILL rank's Ray actor while requests run: the next steps fail within 30 s with a
+    WorkerError naming that rank, and every actor is gone afterwards."""
+    ex = llm.engine.executor
+    os.kill(ex.pids[rank], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"worker rank {rank} failed: its actor died") as info:
+        while True:
+            llm.engine.step()
+    assert info.value.rank == rank and time.monotonic() - t0 < 30
+    assert_gone(ex.pids)
+
+
 def assert_gone(pids, within=10.0):
     deadline = time.monotonic() + within
     alive = list(pids)
@@ -119,19 +132,12 @@ def test_per_rank_kv_capacity_is_one_function_for_sim_and_workers(mp_llm, tiny, 
 
 def test_tp2_ray_matches_tp1(tiny, reference, ray_cluster):
     llm = LLM(model=tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **TIGHT)
-    ex = llm.engine.executor
     try:
         assert run_workload(llm)[0] == reference[0]
         # Kill rank 1's actor mid-run: a clear error naming it, then no actor is left.
         llm.engine.add_request(PROMPTS[2], SamplingParams(max_tokens=20, **GREEDY))
         llm.engine.step()
-        os.kill(ex.pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(WorkerError, match=r"worker rank 1 failed: its actor died") as info:
-            while True:
-                llm.engine.step()
-        assert info.value.rank == 1 and time.monotonic() - t0 < 30
-        assert_gone(ex.pids)
+        kill_actor_mid_run(llm, 1)
         # Actors killed and the placement group removed: every CPU of the cluster is free again.
         ray = ray_cluster
         deadline = time.monotonic() + 10

@@ -22,8 +22,8 @@ from core import SamplingParams
 from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from realexec import LLM
 from realexec.executor import WorkerError
-from tests.realexec.test_distributed import (GREEDY, PARAMS, PROMPTS, TIGHT, assert_gone, run_workload,
-                                             tokens)
+from tests.realexec.test_distributed import (GREEDY, PARAMS, PROMPTS, TIGHT, assert_gone, kill_actor_mid_run,
+                                             run_workload, tokens)
 from tests.tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -315,13 +315,7 @@ def test_pp2_ray_uneven_split_matches_single_rank_then_stage_kill(tiny, referenc
         llm.engine.add_request(PROMPTS[3], SamplingParams(max_tokens=20, **GREEDY))
         llm.engine.step()
         assert ex.collective_rpc("ping") == [0, 1]          # in ticket order behind the steps out
-        os.kill(ex.pids[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(WorkerError, match=r"worker rank 0 failed: its actor died") as info:
-            while True:
-                llm.engine.step()
-        assert info.value.rank == 0 and time.monotonic() - t0 < 30
-        assert_gone(ex.pids)
+        kill_actor_mid_run(llm, 0)
     finally:
         llm.shutdown()
 
