@@ -80,17 +80,28 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block, in the given order (= eviction order:
         callers pass a table tail-first so a request's last blocks are evicted first)."""
-        ref, hashes, evictor, free = self.ref_cnt, self.block_hash, self.evictor, self._free
+        ref, evictor, push = self.ref_cnt, self.evictor, self._free.append
+        if evictor is None:                       # a pool that never caches: no hash lookup
+            for b in block_ids:
+                r = ref[b] - 1
+                ref[b] = r
+                if not r:
+                    push(b)
+                elif r < 0:
+                    ref[b] = 0
+                    raise RuntimeError(f"{self.name} pool: double free of block {b}")
+            return
+        hashes, cache = self.block_hash, evictor.add
         for b in block_ids:
             r = ref[b] - 1
             if r < 0:
                 raise RuntimeError(f"{self.name} pool: double free of block {b}")
             ref[b] = r
             if r == 0:
-                if evictor is not None and hashes[b] is not None:   # (a pool that never caches: no lookup)
-                    evictor.add(b)
+                if hashes[b] is not None:
+                    cache(b)
                 else:
-                    free.append(b)
+                    push(b)
 
     # -- prefix cache -----------------------------------------------------------------
     def lookup(self, block_hash: int) -> int | None:

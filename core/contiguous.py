@@ -256,6 +256,13 @@ class ContiguousKVCacheManager:
     def advance_decodes(self, seqs: list[Sequence], num_steps: int, offsets: list[int] | None = None) -> None:
         """Nothing to allocate: the regions already cover the span (`blocks_to_grow` is 0)."""
 
+    def decode_allocations(self, seqs: list[Sequence], counts: list[int] | None, offsets: list[int],
+                           num_steps: int = 0) -> None:
+        return None                                       # regions never grow
+
+    def take_blocks(self, takers: list) -> None:
+        raise RuntimeError("contiguous regions never take blocks one by one")
+
     # -- introspection ------------------------------------------------------------------------
     def memory_breakdown(self, running: list[Request], waiting_head: Request | None) -> dict[str, int]:
         bs = self.block_size

@@ -94,10 +94,12 @@ def steady_decode_plan(sched: "Scheduler", through_finishes: bool = False) -> St
     return plan if plan is not None and plan.horizon > 0 else None
 
 
-def describe_steady_decode(sched: "Scheduler", through_finishes: bool = False) -> SteadyDecode | None:
+def describe_steady_decode(sched: "Scheduler", through_finishes: bool = False,
+                           past_finishes: bool = False) -> SteadyDecode | None:
     """The running sequences as a `SteadyDecode` when every one of them is a plain decode
     (one known token to compute, no beams, stop tokens or EOS, no copy-on-write next),
-    with its span horizon (possibly 0); None when they are not."""
+    with its span horizon (possibly 0); None when they are not. past_finishes: see
+    `_horizon`."""
     running = sched.running
     if not running or sched.has_unreported_finishes:
         return None
@@ -113,7 +115,7 @@ def describe_steady_decode(sched: "Scheduler", through_finishes: bool = False) -
     if offsets is None:
         return None
     plan = SteadyDecode(0, seqs, lefts, offsets, context_sum, len(running))
-    plan.horizon = _horizon(sched, plan, through_finishes)
+    plan.horizon = _horizon(sched, plan, through_finishes, past_finishes)
     return plan
 
 
@@ -139,8 +141,18 @@ def _add_decodes(request: Request, max_len: int, seqs: list[Sequence], lefts: li
     return context_sum
 
 
-def _horizon(sched: "Scheduler", plan: SteadyDecode, through_finishes: bool) -> int:
-    """The span horizon of a fresh (nothing applied) plan of the scheduler's state."""
+def _horizon(sched: "Scheduler", plan: SteadyDecode, through_finishes: bool, past_finishes: bool = False) -> int:
+    """The span horizon of a fresh (nothing applied) plan of the scheduler's state.
+
+    past_finishes (with through_finishes): the span may go on past the steps in which
+    sequences finish, up to the last sequence's limit, when nothing waits or is swapped
+    out and every request has one sequence. Step by step, a finish then changes nothing
+    for the others: the next schedule() has nobody to admit or swap in, and the survivors
+    decode on (`fast_forward` finishes each sequence at its own step, freeing its blocks
+    in step order). The caller vouches that a finish creates no event of its own (e.g. a
+    conversation's next turn). Only when the free pool holds every sequence's growth to
+    that last limit (counted as if none finished: an overestimate); otherwise the span ends
+    at the first finish, so a tight pool sees the same spans either way."""
     cfg, kv = sched.config, sched.kv
     horizon = plan.first_finish - (0 if through_finishes else 1)   # 1: the finishing step runs normally
     if horizon <= 0 or plan.num_seqs > cfg.max_num_batched_tokens:
@@ -148,15 +160,20 @@ def _horizon(sched: "Scheduler", plan: SteadyDecode, through_finishes: bool) -> 
     if sched.swapped:
         if kv.can_swap_in(sched.swapped[0].seqs):
             return 0
-    elif len(sched.waiting) and sched.admits_next(cfg.max_num_batched_tokens - plan.num_seqs):
-        return 0
+    elif len(sched.waiting):
+        if sched.admits_next(cfg.max_num_batched_tokens - plan.num_seqs):
+            return 0
+    elif past_finishes and through_finishes and plan.num_requests == plan.num_seqs:
+        last = max(plan.lefts)
+        if last > horizon and kv.steps_fitting(plan.offsets, last, kv.free_blocks()) >= last:
+            return last
     free = kv.free_blocks(evicting=not (kv.enable_prefix_caching and len(sched.waiting) and not sched.swapped))
     # Largest k whose block growth fits the free pool.
     return max(kv.steps_fitting(plan.offsets, horizon, free), 0)
 
 
 def renew_steady_plan(sched: "Scheduler", plan: SteadyDecode, through_finishes: bool = False,
-                      admitted: list[Request] = ()) -> SteadyDecode | None:
+                      admitted: list[Request] = (), past_finishes: bool = False) -> SteadyDecode | None:
     """The next span's plan from the previous one (`describe_steady_decode`'s result),
     after its steps were applied (`fast_forward`, ending in finishes or not) and possibly
     a `schedule_steady_step` that admitted `admitted`: the finished sequences leave, the
@@ -171,7 +188,9 @@ def renew_steady_plan(sched: "Scheduler", plan: SteadyDecode, through_finishes: 
     num_requests = plan.num_requests
     if plan.first_finish <= a:                          # the last application finished some
         keep = [i for i, seq in enumerate(seqs) if seq.status is RUNNING]
-        context_sum -= sum(seq.num_computed_tokens for seq in seqs if seq.status is not RUNNING)
+        # A finished sequence ran lefts[i] <= a of the steps (context_sum counts a).
+        context_sum -= sum(seq.num_computed_tokens + a - left for seq, left in zip(seqs, plan.lefts)
+                           if seq.status is not RUNNING)
         seqs = [seqs[i] for i in keep]
         lefts = [lefts[i] - a for i in keep]
         offsets = [offsets[i] for i in keep]
@@ -200,7 +219,7 @@ def renew_steady_plan(sched: "Scheduler", plan: SteadyDecode, through_finishes: 
     if not seqs or num_requests != len(sched.running):
         return None
     renewed = SteadyDecode(0, seqs, lefts, offsets, context_sum, num_requests)
-    renewed.horizon = _horizon(sched, renewed, through_finishes)
+    renewed.horizon = _horizon(sched, renewed, through_finishes, past_finishes)
     return renewed
 
 
@@ -218,7 +237,8 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
                  token_fn: Callable[[Sequence, int, int], list[int]],
                  plan: SteadyDecode | None = None,
                  extend_tokens: Callable[[list[Sequence], int], None] | None = None) -> StepResult:
-    """Apply k steady decode steps at once (k <= steady_decode_horizon(sched, ...)).
+    """Apply k steady decode steps at once (k <= steady_decode_horizon(sched, ...), or the
+    plan's horizon).
 
     Blocks are allocated and published in exactly the order k single steps would use
     (`KVManager.advance_decodes`), so eviction and cache state match; per-token work is
@@ -228,15 +248,18 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
     `plan`: this state's `steady_decode_plan` (its steps applied so far counted in
     plan.applied), which spares a pass over the running sequences; with it,
     `extend_tokens(seqs, k)` (if given) appends token_fn's k tokens to every sequence
-    in one call.
+    in one call, and a plan whose horizon goes past finishes (`_horizon`'s past_finishes)
+    finishes each sequence at its own step (`_fast_forward_past_finishes`).
     """
     if k <= 0:
         return StepResult(updated=[], finished=[])
     done: list[Sequence] = []                 # at their length limit after the k-th step
     if plan is not None:
         seqs = plan.seqs
-        plan.applied += k
-        applied = plan.applied
+        applied = plan.applied + k
+        if plan.first_finish < applied:       # some finish before the last step
+            return _fast_forward_past_finishes(sched, k, step_end_times, token_fn, plan, extend_tokens)
+        plan.applied = applied
         if extend_tokens is not None:
             extend_tokens(seqs, k)
         else:
@@ -278,6 +301,87 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
     if not done:
         return StepResult(updated=updated, finished=[])
     return StepResult(updated=updated, finished=sched.finish_at_length(done, last))
+
+
+def _fast_forward_past_finishes(sched: "Scheduler", k: int, step_end_times, token_fn, plan: SteadyDecode,
+                                extend_tokens) -> StepResult:
+    """`fast_forward` of k plan steps in which sequences finish before the last one: each
+    sequence runs until its own limit (steps = lefts - applied, at most k). Tokens, step
+    times and computed counts are applied once per sequence; the blocks single steps would
+    take are allocated up to each step in which sequences finish, which are then finished
+    (freeing theirs), so every allocation and free happens in the order single steps use."""
+    kv, bs = sched.kv, sched.kv.block_size
+    a0 = plan.applied
+    plan.applied = a0 + k
+    seqs = plan.seqs
+    times = step_end_times[:k] if len(step_end_times) != k else step_end_times
+    counts: list[int] = []
+    finishing: dict[int, list[int]] = {}           # step -> batch indices of the sequences it finishes
+    steps_of: dict[int, int] = {}                  # id(request) -> steps it takes part in
+    for i, left in enumerate(plan.lefts):
+        c = left - a0
+        if c <= k:
+            finishing.setdefault(c - 1, []).append(i)
+        else:
+            c = k
+        counts.append(c)
+        key = id(seqs[i].request)
+        if c > steps_of.get(key, 0):
+            steps_of[key] = c
+    if extend_tokens is not None:
+        extend_tokens([seq for seq, c in zip(seqs, counts) if c == k], k)
+        for seq, c in zip(seqs, counts):
+            if c < k:
+                extend_tokens([seq], c)
+    else:
+        for seq, c in zip(seqs, counts):
+            tokens = seq.token_ids
+            tokens.extend(token_fn(seq, len(tokens), c))
+    running = list(sched.running)
+    for request in running:
+        m = request.metrics
+        n = steps_of[id(request)]
+        if m.first_token_time is None:
+            m.first_token_time = times[0]
+        m.token_times.extend(times if n == k else times[:n])
+        m.last_token_time = times[n - 1]
+    offsets = shifted_offsets(plan.offsets, a0, bs)
+    takers = kv.decode_allocations(seqs, counts, offsets)
+    finished: list[Request] = []
+    if takers is not None:
+        # Allocation-only manager: nothing reads the computed counts while blocks move.
+        for seq, c in zip(seqs, counts):
+            seq.num_computed_tokens += c
+        pos = 0
+        for f in sorted(finishing):
+            end = pos
+            while end < len(takers) and takers[end][0] <= f:
+                end += 1
+            if end > pos:
+                kv.take_blocks(takers[pos:end])
+                pos = end
+            finished += sched.finish_at_length([seqs[i] for i in finishing[f]], times[f])
+        if pos < len(takers):
+            kv.take_blocks(takers[pos:])
+    else:
+        # Phase by phase: the steps up to each one in which sequences finish.
+        alive = list(range(len(seqs)))
+        pos = 0
+        for f in sorted(finishing) + ([k - 1] if k - 1 not in finishing else []):
+            length = f + 1 - pos
+            alive_seqs = [seqs[i] for i in alive]
+            kv.advance_decodes(alive_seqs, length, [offsets[i] for i in alive])
+            for seq in alive_seqs:
+                seq.num_computed_tokens += length
+            offsets = shifted_offsets(offsets, length, bs)
+            pos = f + 1
+            ending = finishing.get(f)
+            if ending:
+                finished += sched.finish_at_length([seqs[i] for i in ending], times[f])
+                gone = set(ending)
+                alive = [i for i in alive if i not in gone]
+    sched.num_steps += k
+    return StepResult(updated=running, finished=finished)
 
 
 class SteadyStep:

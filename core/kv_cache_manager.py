@@ -325,23 +325,11 @@ class KVCacheManager:
         bs, gpu, tables = self.block_size, self.gpu, self.tables
         caching = self.enable_prefix_caching
         if not caching:
-            # Only allocations. Step j gives a block to each sequence whose next block
-            # starts at position c + j, in batch order; a sequence with b blocks and c cached
-            # tokens takes them at steps b * bs - c, + bs, ... So the span's allocations in
-            # (step, batch index) order, handed out by one bulk allocate, get the same ids
-            # as the single steps' allocations (the free stack pops in the same order).
             if offsets is None:
                 offsets = [len(tables[seq.seq_id]) * bs - seq.num_computed_tokens for seq in seqs]
-            takers: list[tuple[int, int, list[int]]] = []
-            for i, j0 in enumerate(offsets):
-                if j0 < num_steps:
-                    table = tables[seqs[i].seq_id]
-                    for j in range(j0, num_steps, bs):
-                        takers.append((j, i, table))
+            takers = self.decode_allocations(seqs, None, offsets, num_steps)
             if takers:
-                takers.sort(key=_step_and_index)
-                for (_, _, table), block in zip(takers, gpu.allocate(len(takers))):
-                    table.append(block)
+                self.take_blocks(takers)
             return
         # Step j computes position c + j of each sequence: it needs a new block when that
         # position starts one, and publishes a block when c + j + 1 fills one.
@@ -367,6 +355,30 @@ class KVCacheManager:
                         self._publish(seq, table, (seq.num_computed_tokens + j + 1) // bs)
                 else:
                     self._publish(seq, table, (seq.num_computed_tokens + j + 1) // bs)
+
+    def decode_allocations(self, seqs: list[Sequence], counts: list[int] | None, offsets: list[int],
+                           num_steps: int = 0) -> list[tuple[int, int, list[int]]] | None:
+        # Step j gives a block to each sequence whose next block starts at position c + j,
+        # in batch order; a sequence with b blocks and c cached tokens takes them at steps
+        # b * bs - c, + bs, ... So the allocations in (step, batch index) order, handed out
+        # by one bulk allocate, get the same ids as the single steps' allocations (the free
+        # stack pops in the same order).
+        if self.enable_prefix_caching:
+            return None                                   # allocations publish: advance_decodes
+        bs, tables = self.block_size, self.tables
+        takers: list[tuple[int, int, list[int]]] = []
+        for i, j0 in enumerate(offsets):
+            end = num_steps if counts is None else counts[i]
+            if j0 < end:
+                table = tables[seqs[i].seq_id]
+                for j in range(j0, end, bs):
+                    takers.append((j, i, table))
+        takers.sort(key=_step_and_index)
+        return takers
+
+    def take_blocks(self, takers: list[tuple[int, int, list[int]]]) -> None:
+        for (_, _, table), block in zip(takers, self.gpu.allocate(len(takers))):
+            table.append(block)
 
     def _publish(self, seq: Sequence, table: list[int], full: int) -> None:
         """Publish the first `full` blocks of `seq` that are not yet in the cache index."""

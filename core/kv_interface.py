@@ -106,6 +106,16 @@ class KVManager(Protocol):
         `decode_block_offsets`, when the caller has them). The caller advances
         num_computed_tokens."""
 
+    def decode_allocations(self, seqs: list["Sequence"], counts: list[int] | None, offsets: list[int],
+                           num_steps: int = 0) -> list[tuple[int, int, list[int]]] | None:
+        """The blocks single steps would allocate when each of `seqs` (at these
+        `decode_block_offsets`) decodes counts[i] more steps (None: num_steps each), in
+        their order: (step, batch index, the table it joins), for `take_blocks`; None when
+        allocating also publishes to the prefix cache or the manager never grows a table
+        (use `advance_decodes`)."""
+    def take_blocks(self, takers: list[tuple[int, int, list[int]]]) -> None:
+        """Allocate one block onto the table of each of `takers`, in order (`decode_allocations`)."""
+
     # -- introspection ------------------------------------------------------------------------
     def memory_breakdown(self, running: list["Request"], waiting_head: "Request | None") -> dict[str, int]: ...
     def stats(self) -> KVCacheStats: ...

@@ -45,6 +45,7 @@ import simpy
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
 from core.config import default_max_model_len, default_max_num_batched_tokens
+from core.kv_cache_manager import KVCacheManager
 from core.event_skipping import (describe_steady_decode, fast_forward, renew_steady_plan, schedule_steady_step,
                                  update_steady_step)
 from core.metrics import RequestRecord
@@ -263,6 +264,12 @@ class SimEngine:
         self.num_steps = 0
         self.num_normal_steps = 0
         self._steady = None            # the running set as a SteadyDecode plan (event skipping), or None
+        # Spans may go on past finishes (core.event_skipping._horizon's past_finishes) when
+        # a finish frees exactly its sequence's blocks (paged, no prefix cache, one sequence
+        # per request: the span's memory accounting follows in closed form) and creates no
+        # event (no conversation turn follows it).
+        self._past_finishes = (type(self.scheduler.kv) is KVCacheManager and not resolved.cache.enable_prefix_caching
+                               and cfg.n == 1 and not cfg.beam_width and self._parents is None)
         self.clock = 0.0
         self._pbar = None
 
@@ -477,7 +484,7 @@ class SimEngine:
                 self._finish(update(out, result, end).finished)
             else:
                 self._finish(update_steady_step(sched, step, result, end, token_ids, extend_tokens).finished)
-                self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted)
+                self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted, self._past_finishes)
             if skipping and sched.requests:
                 self._skip()
             if pbar is not None and not (self.num_normal_steps & 1023):
@@ -497,17 +504,21 @@ class SimEngine:
         sched = self.scheduler
         plan = self._steady
         if plan is None:
-            plan = describe_steady_decode(sched, through_finishes=True)
+            plan = describe_steady_decode(sched, True, self._past_finishes)
         elif plan.applied:
-            plan = renew_steady_plan(sched, plan, through_finishes=True)
+            plan = renew_steady_plan(sched, plan, True, past_finishes=self._past_finishes)
         if CHECK_SPANS:
-            _check_renewed(plan, describe_steady_decode(sched, through_finishes=True))
+            _check_renewed(plan, describe_steady_decode(sched, True, self._past_finishes))
         self._steady = plan
         return plan
 
     def _span(self) -> bool:
         """Apply one span of steady decode steps (the clock moves to its end); True when it
-        ran to its horizon and sequences finished there (a next span may follow at once)."""
+        ran to its horizon and sequences finished there (a next span may follow at once).
+
+        A span that goes on past finishes (`_past_finishes`) runs in phases: after a step in
+        which sequences finish, the survivors' steps are priced and accounted without them
+        (each phase is the span the step-by-step engine would see; one timeseries row each)."""
         sched = self.scheduler
         t = start = self.clock
         limit = self._next_event()
@@ -518,17 +529,27 @@ class SimEngine:
             return False
         horizon, num_seqs, context_sum = plan.horizon, plan.num_seqs, plan.context_sum
         step_times = self.executor.decode_step_times
+        bs = self.resolved.cache.block_size
+        # Steps in which sequences finish before the horizon's last one (past_finishes):
+        # after step f those sequences leave; step f + 1 starts a phase.
+        bounds: list[int] = []
+        if horizon > plan.first_finish:
+            leaving: dict[int, list[int]] = {}
+            for idx, left in enumerate(plan.lefts):
+                if left < horizon:
+                    leaving.setdefault(left - 1, []).append(idx)
+            bounds = sorted(leaving, reverse=True)          # popped from the end
+        phase_end = bounds[-1] + 1 if bounds else horizon
         # Step times never shrink as contexts grow, so at most (limit - t) / d0 + 1 steps
         # start before the arrival: price only those (the loop below extends if needed).
         if limit == math.inf:
-            want = horizon
+            want = phase_end
         else:
-            want = min(horizon, int((limit - t) / step_times(num_seqs, context_sum, 1)[0]) + 2)
+            want = min(phase_end, int((limit - t) / step_times(num_seqs, context_sum, 1)[0]) + 2)
         durations = step_times(num_seqs, context_sum, want)
         # KV usage per step: a sequence with c cached tokens and a table of b blocks takes
         # a new block at steps j0 = b * block_size - c, j0 + block_size, ... (paged: j0 < block
         # size; a contiguous region covers the sequence's whole life, so j0 lies past the span).
-        bs = self.resolved.cache.block_size
         starts, late = growth_from_offsets(plan.offsets, bs)
         used = used0 = sched.kv.gpu.num_used
         # Each step's memory sample follows from the state before the span (sim.memory.SpanModel);
@@ -542,14 +563,18 @@ class SimEngine:
         m0, m1, m2, m3, m4, m5, m6 = w
         running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
         w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
-        ends: list[float] = []
+        w_used_before = w_used
+        ends = array("d")               # each request's token_times extends by a memcpy
         append = ends.append
         i = 0
         tok, res = tok0, res0
         # Terms that are 0 throughout the span add nothing (x + 0.0 == x for these sums of
         # non-negative products): the common case (paged, nothing waiting) skips them.
         lean = not (waiting or swapped or res0 or res_step or ext)
+        if bounds and not (lean and not late and num_seqs == running):
+            raise RuntimeError("event skipping: a span past finishes needs paged, exclusive blocks and no queue")
         g = used0 - logical0                           # logical blocks = used - g
+        phase_start, phase_i = start, 0
         while True:
             if lean:
                 # free = free0 - bs * (used - used0) and used - g kept as they change (the
@@ -602,36 +627,69 @@ class SimEngine:
                     t = t + dt
                     append(t)
                     i += 1
-            if i < horizon and t < limit:      # every priced step started before the limit: price more
-                durations = step_times(num_seqs, context_sum + i * num_seqs, min(horizon - i, 64))
+            if t >= limit or i >= horizon:
+                break
+            if i < phase_end:                  # every priced step started before the limit: price more
+                durations = step_times(num_seqs, context_sum + i * num_seqs, min(phase_end - i, 64))
                 continue
-            break
+            # Step i - 1 finished sequences: close the phase (a row, as the span it was), and
+            # go on without them (their blocks freed, their tokens gone from the pool).
+            self._span_row(phase_start, t, i - phase_i, w_used - w_used_before, running, waiting, swapped,
+                           num_seqs, (m0, m1, m2, m3), mem_before)
+            if used > self._max_used:
+                self._max_used = used
+            f = bounds.pop()
+            for idx in leaving[f]:
+                seq = plan.seqs[idx]
+                c, j0 = seq.num_computed_tokens, plan.offsets[idx]
+                blocks = (c + j0) // bs + ((f - j0) // bs + 1 if j0 <= f else 0)
+                used -= blocks
+                g_tok = c + f + 1
+                tok -= g_tok
+                context_sum -= c
+                starts[j0] -= 1
+            num_seqs -= len(leaving[f])
+            running = num_seqs
+            phase_start, phase_i, w_used_before, mem_before = t, i, w_used, [m0, m1, m2, m3]
+            phase_end = bounds[-1] + 1 if bounds else horizon
+            n_price = phase_end - i
+            if limit != math.inf:
+                n_price = min(n_price, int((limit - t) / durations[-1]) + 2)
+            durations = step_times(num_seqs, context_sum + i * num_seqs, n_price)
         k = i
         w[:] = (m0, m1, m2, m3, m4, m5, m6)
-        span_used = w_used - self._w_used
+        self._span_row(phase_start, t, i - phase_i, w_used - w_used_before, running, waiting, swapped, num_seqs,
+                       (m0, m1, m2, m3), mem_before)
         self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
         if used > self._max_used:
             self._max_used = used
-        span = t - start
-        self.timeseries.append((start, span, k, span_used / span, running, waiting, swapped, num_seqs, num_seqs, 0,
-                                (m0 - mem_before[0]) / span, (m1 - mem_before[1]) / span,
-                                (m2 - mem_before[2]) / span, (m3 - mem_before[3]) / span))
         finished = fast_forward(sched, k, ends, self.executor.token_ids, plan, self.executor.extend_tokens).finished
-        # Sequences that finished (n > 1 samples may finish apart) gave their blocks back:
-        # the state is then past the span's last step.
+        # Sequences that finished at the span's last step gave their blocks back: the state
+        # is then past it (`used` counts what finished at earlier steps as gone).
         shrunk = k >= plan.first_finish
         gpu = sched.kv.gpu
         if gpu.num_used != used and not (shrunk and gpu.num_used < used):
             raise RuntimeError(f"event skipping: KV usage {gpu.num_used} after {k} steps, expected {used}")
-        if CHECK_SPANS and not shrunk and memory_sample(sched) != span_model.at(k - 1, used):
-            raise RuntimeError(f"event skipping: memory breakdown {memory_sample(sched)} after {k} steps, "
-                               f"expected {span_model.at(k - 1, used)}")   # the state now = the span's last step
+        if CHECK_SPANS and k not in plan.lefts:
+            expected = span_model.at(k - 1, used) if phase_i == 0 else \
+                (tok, 0, total - tok - (free0 - bs * (used - used0)), 0, free0 - bs * (used - used0), used, used - g)
+            if memory_sample(sched) != expected:
+                raise RuntimeError(f"event skipping: memory breakdown {memory_sample(sched)} after {k} steps, "
+                                   f"expected {expected}")   # the state now = the span's last step
         self.clock = t
         self.num_steps += k
         self._finish(finished)
         if shrunk:                            # the finished sequences leave the plan
-            self._steady = renew_steady_plan(sched, plan, through_finishes=True)
+            self._steady = renew_steady_plan(sched, plan, True, past_finishes=self._past_finishes)
         return shrunk and k == horizon
+
+    def _span_row(self, start: float, end: float, steps: int, used_seconds: float, running: int, waiting: int,
+                  swapped: int, num_seqs: int, mem: tuple, mem_before) -> None:
+        """The timeseries row of a span (or a phase of one): its time means."""
+        span = end - start
+        self.timeseries.append((start, span, steps, used_seconds / span, running, waiting, swapped, num_seqs,
+                                num_seqs, 0, (mem[0] - mem_before[0]) / span, (mem[1] - mem_before[1]) / span,
+                                (mem[2] - mem_before[2]) / span, (mem[3] - mem_before[3]) / span))
 
     # -- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:

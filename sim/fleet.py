@@ -38,6 +38,7 @@ started before the arrival is committed first (`sync_finishes`).
 from __future__ import annotations
 
 import math
+from array import array
 import sys
 from bisect import bisect_left
 from collections import deque
@@ -107,7 +108,7 @@ class Span:
         self._starts, self._late = growth_from_offsets(plan.offsets, bs)
         self._used = sched.kv.gpu.num_used
         self.durations: list[float] = []
-        self.ends: list[float] = []
+        self.ends = array("d")           # each request's token_times extends by a memcpy
         self.used: list[int] = []
         self.model = SpanModel(sched, self._num_seqs, self._starts, self._late, plan.offsets)
         self.counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
@@ -168,6 +169,7 @@ class Replica(SimEngine):
                              "conversation's replica); drop --multi-turn")
         self.index = index
         self.fleet = fleet
+        self._past_finishes = False           # a Span ends at the first finish (sequences leave the plan)
         self.inbox: deque[Request] = deque()
         self.served: list[int] = []           # trace indices routed here, in routing order
         self._span: Span | None = None

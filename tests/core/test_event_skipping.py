@@ -49,13 +49,15 @@ def workloads():
 
 
 def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blocks: int = 8,
-          through_finishes: bool = False, use_plan: bool = False, distinct: bool = False, carry: bool = False):
+          through_finishes: bool = False, use_plan: bool = False, distinct: bool = False, carry: bool = False,
+          past_finishes: bool = False):
     """Run `workload` step by step, or (fast) with spans; use_plan: spans come from
     `steady_decode_plan` and are applied in two pieces through it (as a fleet replica cut
     short applies them), instead of `steady_decode_horizon` + a plan-less `fast_forward`.
     carry (as sim.engine): one plan carried across spans (`renew_steady_plan`, checked
     against a fresh pass every time) and the steps that admit arrivals after a span taken
-    with `schedule_steady_step` / `update_steady_step` where they apply."""
+    with `schedule_steady_step` / `update_steady_step` where they apply; past_finishes: its
+    spans may go on past the steps in which sequences finish (each finishing at its own)."""
     caching = caching and names["allocation"] == "paged"
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48),
                       CacheConfig(block_size=BS, num_gpu_blocks=blocks, num_cpu_blocks=cpu_blocks,
@@ -74,12 +76,12 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
     def renewed(plan):
         """A renewed plan is what a fresh pass over the scheduler gives (None only when
         that is None too: renewing never gives up on a plain decode state)."""
-        assert plan_view(plan) == plan_view(describe_steady_decode(sched, through_finishes))
+        assert plan_view(plan) == plan_view(describe_steady_decode(sched, through_finishes, past_finishes))
         return plan
 
     arrivals = sorted(workload, key=lambda w: w[0])
     reqs, t, i, skipped, finished_in_span = [], 0, 0, 0, 0
-    carried, steady_steps = None, 0
+    carried, steady_steps, phased = None, 0, 0
     while i < len(arrivals) or sched.has_unfinished_requests():
         while i < len(arrivals) and arrivals[i][0] <= t:
             step, prefix, tail, max_tokens, n, priority = arrivals[i]
@@ -99,13 +101,13 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
             res = ex.execute_model(step.out)       # the admissions; the decodes take token_fn's tokens
             t += 1
             update_steady_step(sched, step, res, float(t), token_fn)
-            carried = renewed(renew_steady_plan(sched, step.plan, through_finishes, step.out.admitted))
+            carried = renewed(renew_steady_plan(sched, step.plan, through_finishes, step.out.admitted, past_finishes))
             steady_steps += 1
         while fast and carry:
             if carried is None:
-                carried = describe_steady_decode(sched, through_finishes)
+                carried = describe_steady_decode(sched, through_finishes, past_finishes)
             elif carried.applied:
-                carried = renewed(renew_steady_plan(sched, carried, through_finishes))
+                carried = renewed(renew_steady_plan(sched, carried, through_finishes, past_finishes=past_finishes))
             k = carried.horizon if carried is not None else 0
             if i < len(arrivals):
                 k = min(k, arrivals[i][0] - t)
@@ -115,9 +117,10 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
             t += k
             skipped += k
             finished_in_span += len(done)
+            phased += len({r.metrics.finished_time for r in done}) > 1
             if not done:
                 break
-            carried = renewed(renew_steady_plan(sched, carried, through_finishes))
+            carried = renewed(renew_steady_plan(sched, carried, through_finishes, past_finishes=past_finishes))
         while fast and not carry:                  # spans back to back while they end in finishes
             plan = steady_decode_plan(sched, through_finishes) if use_plan else None
             k = steady_decode_horizon(sched, through_finishes) if not use_plan else plan.horizon if plan else 0
@@ -143,7 +146,7 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
     # Block-level state too: which ids are free, in which order, and which hold cached prefixes.
     gpu = sched.kv.gpu
     blocks_state = (gpu.uncached_free_blocks(), sorted(gpu.cached.items()))
-    return recs, skipped, sched.kv.stats(), sched.num_preemptions, blocks_state, finished_in_span, steady_steps
+    return recs, skipped, sched.kv.stats(), sched.num_preemptions, blocks_state, finished_in_span, steady_steps, phased
 
 
 def plan_view(plan):
@@ -169,15 +172,17 @@ def test_fast_forward_matches_single_steps(workload, names, caching, blocks, thr
 
 
 @given(workload=workloads(), names=policy_names(), caching=st.booleans(), blocks=st.integers(12, 28),
-       through_finishes=st.booleans())
+       through_finishes=st.booleans(), past_finishes=st.booleans())
 @settings(max_examples=300 if not os.environ.get("CI") else 1000, deadline=None)
-def test_carried_plans_and_steady_steps_match_single_steps(workload, names, caching, blocks, through_finishes):
+def test_carried_plans_and_steady_steps_match_single_steps(workload, names, caching, blocks, through_finishes,
+                                                           past_finishes):
     """The simulator's way: one plan carried across spans and renewed (equal to a fresh
     pass each time), and the step that admits arrivals after a span scheduled from it
-    (`schedule_steady_step`): the same outputs, blocks and cache as step by step."""
+    (`schedule_steady_step`), spans possibly going on past finishes: the same outputs,
+    blocks and cache as step by step."""
     slow = drive(workload, False, names, caching, blocks, distinct=True)
     fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes, distinct=True,
-                 carry=True)
+                 carry=True, past_finishes=past_finishes)
     assert fast[0] == slow[0], names
     assert fast[2:5] == slow[2:5], names
 
@@ -192,6 +197,23 @@ def test_steady_steps_are_taken():
     fast = drive(workload, True, names, True, 40, through_finishes=True, distinct=True, carry=True)
     assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
     assert fast[6] >= 2 and fast[1] > 20
+
+
+def test_spans_go_on_past_finishes():
+    """With past_finishes a span outlives the steps in which requests finish (each at its
+    own step, its blocks freed before the survivors' next allocations): the same records,
+    blocks and cache as step by step, in fewer spans."""
+    names = dict(queue="fcfs", preemption="recompute", victim="newest", eviction="lru", allocation="paged")
+    workload = [(0, 3, [51], 30, 1, 0), (0, 3, [52], 7, 1, 0), (0, 0, [53], 12, 1, 0), (1, 1, [], 19, 1, 0),
+                (2, 2, [54, 55], 3, 1, 0)]
+    for caching in (False, True):
+        for blocks in (28, 14):                    # 14: the growth to the last limit does not fit
+            slow = drive(workload, False, names, caching, blocks, distinct=True)
+            fast = drive(workload, True, names, caching, blocks, through_finishes=True, distinct=True, carry=True,
+                         past_finishes=True)
+            assert fast[0] == slow[0] and fast[2:5] == slow[2:5]
+            if blocks == 28:
+                assert fast[7] >= 1                # a span in which requests finished at different steps
 
 
 def test_span_after_a_swap_in_that_could_not_compute_publishes_like_single_steps():
@@ -229,7 +251,7 @@ def test_lpm_with_prefix_caching_matches_single_steps():
 def test_fast_forward_actually_skips():
     workload = [(0, 3, [51, 52, 53], 30, 1, 0), (0, 3, [54, 55, 56, 57, 58], 25, 2, 0)]
     names = dict(queue="fcfs", preemption="recompute", victim="newest", eviction="lru", allocation="paged")
-    _, skipped, _, _, _, in_span, _ = drive(workload, True, names, True, 40)
+    _, skipped, _, _, _, in_span, _, _ = drive(workload, True, names, True, 40)
     assert skipped > 20 and in_span == 0
 
 

@@ -134,6 +134,31 @@ def test_event_skipping_equivalence_mooncake_prefix_sharing():
     assert_equivalent(skip, step)
 
 
+def test_spans_go_on_past_finishes(sharegpt, monkeypatch):
+    """Requests that finish while the others decode on, with nothing waiting: a span goes
+    on past their finishes, in phases that are exactly the spans an engine stopping at
+    every finish runs (same timeseries rows, records and integrals), in fewer spans; each
+    phase's memory accounting is checked against the core (TWINSERVE_SIM_CHECK)."""
+    import sim.engine
+    monkeypatch.setattr(sim.engine, "CHECK_SPANS", True)
+    trace = retime(sharegpt, num_requests=200, rate=3.0)
+    resolved = resolve(SimConfig(model="Llama-3-8B", hardware="H100"))
+    runs = []
+    for past_finishes in (True, False):
+        engine = SimEngine(resolved, trace)
+        assert engine._past_finishes                     # paged, no prefix cache, n = 1
+        engine._past_finishes = past_finishes
+        spans = []
+        span = engine._span
+        engine._span = lambda: spans.append(1) or span()
+        runs.append((engine.run(), len(spans)))
+    (merged, merged_spans), (plain, plain_spans) = runs
+    assert merged_spans < 0.8 * plain_spans
+    assert merged.records == plain.records and merged.timeseries == plain.timeseries
+    assert merged.time_weighted == plain.time_weighted and merged.memory_breakdown == plain.memory_breakdown
+    assert_equivalent(merged, simulate(SimConfig(model="Llama-3-8B", hardware="H100", event_skipping=False), trace))
+
+
 # --- conservation, preemption, swap ----------------------------------------------------------
 
 def test_conservation_every_request_finished_or_rejected(sharegpt):
