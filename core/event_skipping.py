@@ -257,7 +257,7 @@ def fast_forward(sched: "Scheduler", k: int, step_end_times: list[float],
     if plan is not None:
         seqs = plan.seqs
         applied = plan.applied + k
-        if plan.first_finish < applied:       # some finish before the last step
+        if plan.first_finish < applied:       # some finish before the last step (or finished before)
             return _fast_forward_past_finishes(sched, k, step_end_times, token_fn, plan, extend_tokens)
         plan.applied = applied
         if extend_tokens is not None:
@@ -313,12 +313,16 @@ def _fast_forward_past_finishes(sched: "Scheduler", k: int, step_end_times, toke
     kv, bs = sched.kv, sched.kv.block_size
     a0 = plan.applied
     plan.applied = a0 + k
-    seqs = plan.seqs
+    seqs, lefts, offsets = plan.seqs, plan.lefts, plan.offsets
+    if plan.first_finish <= a0:
+        # Sequences finished in an earlier piece of this plan (a span applied in pieces).
+        live = [i for i, left in enumerate(lefts) if left > a0]
+        seqs, lefts, offsets = [seqs[i] for i in live], [lefts[i] for i in live], [offsets[i] for i in live]
     times = step_end_times[:k] if len(step_end_times) != k else step_end_times
     counts: list[int] = []
     finishing: dict[int, list[int]] = {}           # step -> batch indices of the sequences it finishes
     steps_of: dict[int, int] = {}                  # id(request) -> steps it takes part in
-    for i, left in enumerate(plan.lefts):
+    for i, left in enumerate(lefts):
         c = left - a0
         if c <= k:
             finishing.setdefault(c - 1, []).append(i)
@@ -345,7 +349,7 @@ def _fast_forward_past_finishes(sched: "Scheduler", k: int, step_end_times, toke
             m.first_token_time = times[0]
         m.token_times.extend(times if n == k else times[:n])
         m.last_token_time = times[n - 1]
-    offsets = shifted_offsets(plan.offsets, a0, bs)
+    offsets = shifted_offsets(offsets, a0, bs)
     takers = kv.decode_allocations(seqs, counts, offsets)
     finished: list[Request] = []
     if takers is not None:

@@ -67,6 +67,7 @@ class PacedReplica(Replica):
     def __init__(self, index: int, resolved: ResolvedConfig, trace: Trace, env: simpy.Environment,
                  fleet: "DisaggFleet"):
         super().__init__(index, resolved, trace, fleet)
+        self._past_finishes = False           # a prefill's finish starts a KV transfer: an event
         self.env = env
         self.process: simpy.Process | None = None
         self.after_step = None                # callback(replica) after every step

@@ -257,7 +257,8 @@ class SimEngine:
         self._contexts: dict[int, list[int]] = {}             # next turn -> conversation so far
         self._ready: list[tuple[float, int]] = []             # heap of (effective arrival, trace index)
         # time-weighted accumulators (sum of value * duration, in step order)
-        self._w_used = self._w_running = self._w_waiting = self._w_swapped = 0.0
+        # (block-seconds in use are the memory integral's "physical": `_w_used`)
+        self._w_running = self._w_waiting = self._w_swapped = 0.0
         self._max_used = 0
         self.memory = MemoryAccumulator(resolved.cache.num_gpu_blocks, resolved.cache.block_size)
         self.timeseries: list[tuple] = []
@@ -395,8 +396,14 @@ class SimEngine:
             if wake is not None and not wake.triggered:
                 wake.succeed()
 
+    @property
+    def _w_used(self) -> float:
+        """Block-seconds in use: the memory integral's physical blocks (sim.memory), which
+        every step and gap adds as used * dt."""
+        return self.memory.w[5]
+
     def _account(self, dt: float, used: int, running: int, waiting: int, swapped: int) -> None:
-        self._w_used += used * dt
+        """Time-weighted request counts (the caller adds the memory sample, used blocks included)."""
         self._w_running += running * dt
         self._w_waiting += waiting * dt
         self._w_swapped += swapped * dt
@@ -562,15 +569,15 @@ class SimEngine:
         mem_before = w[:4]
         m0, m1, m2, m3, m4, m5, m6 = w
         running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
-        w_used, w_run, w_wait, w_swap = self._w_used, self._w_running, self._w_waiting, self._w_swapped
-        w_used_before = w_used
+        w_run, w_wait, w_swap = self._w_running, self._w_waiting, self._w_swapped
+        used_before = m5                               # block-seconds in use (`_w_used`)
         ends = array("d")               # each request's token_times extends by a memcpy
         append = ends.append
         i = 0
         tok, res = tok0, res0
         # Terms that are 0 throughout the span add nothing (x + 0.0 == x for these sums of
         # non-negative products): the common case (paged, nothing waiting) skips them.
-        lean = not (waiting or swapped or res0 or res_step or ext)
+        lean = not (waiting or swapped or res0 or res_step or ext or late)
         if bounds and not (lean and not late and num_seqs == running):
             raise RuntimeError("event skipping: a span past finishes needs paged, exclusive blocks and no queue")
         g = used0 - logical0                           # logical blocks = used - g
@@ -578,20 +585,21 @@ class SimEngine:
         while True:
             if lean:
                 # free = free0 - bs * (used - used0) and used - g kept as they change (the
-                # same integers, so the same products and sums).
+                # same integers, so the same products and sums). Paged: no late growth, and
+                # step i's growth is starts[i % bs] (zipped in, rotated to this chunk's start).
                 free, used_g = free0 - bs * (used - used0), used - g
-                for dt in durations:
+                r = i % bs
+                growth = starts[r:] + starts[:r]
+                if len(durations) > bs:
+                    growth *= -(-len(durations) // bs)
+                for dt, grow in zip(durations, growth):
                     if t >= limit:
                         break
-                    if late and i in late:
-                        starts[i % bs] += late.pop(i)
-                    grow = starts[i % bs]
                     if grow:
                         used += grow
                         free -= bs * grow
                         used_g += grow
                     used_dt = used * dt
-                    w_used += used_dt
                     w_run += running * dt
                     tok += num_seqs
                     m0 += tok * dt
@@ -601,7 +609,7 @@ class SimEngine:
                     m6 += used_g * dt
                     t = t + dt
                     append(t)
-                    i += 1
+                i = len(ends)
             else:
                 for dt in durations:
                     if t >= limit:
@@ -610,7 +618,6 @@ class SimEngine:
                         starts[i % bs] += late.pop(i)
                     used += starts[i % bs]
                     used_dt = used * dt
-                    w_used += used_dt
                     w_run += running * dt
                     w_wait += waiting * dt
                     w_swap += swapped * dt
@@ -634,7 +641,7 @@ class SimEngine:
                 continue
             # Step i - 1 finished sequences: close the phase (a row, as the span it was), and
             # go on without them (their blocks freed, their tokens gone from the pool).
-            self._span_row(phase_start, t, i - phase_i, w_used - w_used_before, running, waiting, swapped,
+            self._span_row(phase_start, t, i - phase_i, m5 - used_before, running, waiting, swapped,
                            num_seqs, (m0, m1, m2, m3), mem_before)
             if used > self._max_used:
                 self._max_used = used
@@ -650,7 +657,7 @@ class SimEngine:
                 starts[j0] -= 1
             num_seqs -= len(leaving[f])
             running = num_seqs
-            phase_start, phase_i, w_used_before, mem_before = t, i, w_used, [m0, m1, m2, m3]
+            phase_start, phase_i, used_before, mem_before = t, i, m5, [m0, m1, m2, m3]
             phase_end = bounds[-1] + 1 if bounds else horizon
             n_price = phase_end - i
             if limit != math.inf:
@@ -658,9 +665,9 @@ class SimEngine:
             durations = step_times(num_seqs, context_sum + i * num_seqs, n_price)
         k = i
         w[:] = (m0, m1, m2, m3, m4, m5, m6)
-        self._span_row(phase_start, t, i - phase_i, w_used - w_used_before, running, waiting, swapped, num_seqs,
+        self._span_row(phase_start, t, i - phase_i, m5 - used_before, running, waiting, swapped, num_seqs,
                        (m0, m1, m2, m3), mem_before)
-        self._w_used, self._w_running, self._w_waiting, self._w_swapped = w_used, w_run, w_wait, w_swap
+        self._w_running, self._w_waiting, self._w_swapped = w_run, w_wait, w_swap
         if used > self._max_used:
             self._max_used = used
         finished = fast_forward(sched, k, ends, self.executor.token_ids, plan, self.executor.extend_tokens).finished

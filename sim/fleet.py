@@ -90,9 +90,15 @@ def span_chunk(span: "Span", a: float) -> int:
 
 class Span:
     """A steady-decode span of one replica, planned ahead in growing chunks (step end times
-    and KV blocks in use per step) and committed to the core in order, possibly in pieces."""
+    and KV blocks in use per step) and committed to the core in order, possibly in pieces.
+
+    A span that goes on past finishes (`SimEngine._past_finishes`) is planned in phases as
+    the single engine runs it: after a step in which sequences finish, the next steps are
+    priced without them and their blocks and tokens leave the accounting (`tok_at`,
+    `run_at`: token states and running sequences per step; `phase_starts`)."""
 
     __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon", "plan",
+                 "tok_at", "run_at", "phase_starts", "finish_steps", "_leaving", "_bounds", "_tok",
                  "_price", "_num_seqs", "_context_sum", "_starts", "_late", "_bs", "_used", "_t")
 
     def __init__(self, replica: "Replica", plan: SteadyDecode):
@@ -114,29 +120,68 @@ class Span:
         self.counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
         self.done = 0            # steps already applied to the core
         self.cut: int | None = None
+        # Steps in which sequences finish before the horizon's last one (past finishes).
+        # step -> (cached tokens, block offset) before the span of each sequence it finishes
+        self._leaving: dict[int, list[tuple[int, int]]] = {}
+        if self.horizon > plan.first_finish:
+            for idx, left in enumerate(plan.lefts):
+                if left < self.horizon:
+                    self._leaving.setdefault(left - 1, []).append((plan.seqs[idx].num_computed_tokens,
+                                                                   plan.offsets[idx]))
+            if self._late or self.counts[1] or self.counts[2] or self.model.reserves or self.model.ext \
+                    or plan.num_seqs != self.counts[0]:
+                raise RuntimeError("event skipping: a span past finishes needs paged, exclusive blocks and no queue")
+        self._bounds = sorted(self._leaving, reverse=True)          # popped from the end
+        self.finish_steps = sorted(self._leaving) + ([self.horizon - 1] if self.finishes else [])
+        self.phase_starts = [0]
+        self._tok = self.model.tok
+        self.tok_at: list[int] = []
+        self.run_at: list[int] = []
 
     def extend(self, n: int) -> None:
         """Plan the next n steps (cut spans never price the steps they do not run)."""
-        i0 = len(self.ends)
-        durations = self._price(self._num_seqs, self._context_sum + i0 * self._num_seqs, n)
+        target = len(self.ends) + n
         starts, late, bs = self._starts, self._late, self._bs
         used, t = self._used, self._t
-        used_at, ends = self.used, self.ends
-        if late:                                   # contiguous allocation: growth changes mid-span
-            for i, dt in enumerate(durations, i0):
-                if late and i in late:
-                    starts[i % bs] += late.pop(i)
-                used += starts[i % bs]
-                used_at.append(used)
-                t = t + dt
-                ends.append(t)
-        else:
-            for i, dt in enumerate(durations, i0):
-                used += starts[i % bs]
-                used_at.append(used)
-                t = t + dt
-                ends.append(t)
-        self.durations += durations
+        used_at, ends, bounds = self.used, self.ends, self._bounds
+        phased = bool(self._leaving)
+        while len(ends) < target:
+            i0 = len(ends)
+            if bounds and i0 == bounds[-1] + 1:
+                # Step i0 - 1 finished sequences: their blocks and tokens leave.
+                f = bounds.pop()
+                for c, j0 in self._leaving[f]:
+                    used -= (c + j0) // bs + ((f - j0) // bs + 1 if j0 <= f else 0)
+                    self._tok -= c + f + 1
+                    self._context_sum -= c
+                    starts[j0] -= 1
+                self._num_seqs -= len(self._leaving[f])
+                self.phase_starts.append(i0)
+            end = min(target, bounds[-1] + 1 if bounds else self.horizon)
+            num_seqs = self._num_seqs
+            durations = self._price(num_seqs, self._context_sum + i0 * num_seqs, end - i0)
+            if late:                                   # contiguous allocation: growth changes mid-span
+                for i, dt in enumerate(durations, i0):
+                    if late and i in late:
+                        starts[i % bs] += late.pop(i)
+                    used += starts[i % bs]
+                    used_at.append(used)
+                    t = t + dt
+                    ends.append(t)
+            else:
+                for i, dt in enumerate(durations, i0):
+                    used += starts[i % bs]
+                    used_at.append(used)
+                    t = t + dt
+                    ends.append(t)
+            if phased:
+                tok = self._tok
+                for _ in durations:
+                    tok += num_seqs
+                    self.tok_at.append(tok)
+                self._tok = tok
+                self.run_at += [num_seqs] * len(durations)
+            self.durations += durations
         self._used, self._t = used, t
 
     def steps_started_before(self, t: float) -> int:
@@ -169,7 +214,6 @@ class Replica(SimEngine):
                              "conversation's replica); drop --multi-turn")
         self.index = index
         self.fleet = fleet
-        self._past_finishes = False           # a Span ends at the first finish (sequences leave the plan)
         self.inbox: deque[Request] = deque()
         self.served: list[int] = []           # trace indices routed here, in routing order
         self._span: Span | None = None
@@ -202,13 +246,18 @@ class Replica(SimEngine):
             self._commit(span, max(span.done, span.steps_started_before(t)))
 
     def sync_finishes(self, t: float) -> None:
-        """Apply a pending span that ends in finishes when its last step starts before t:
-        the router then counts outstanding requests as of t, as step by step (where the
-        finishing step's results apply when it starts)."""
+        """Apply a pending span through its last step in which sequences finish that starts
+        before t: the router then counts outstanding requests as of t, as step by step
+        (where the finishing step's results apply when it starts)."""
         span = self._span
-        if span is not None and span.finishes and len(span.ends) == span.horizon and span.done < span.horizon \
-                and span.end_of(span.horizon - 1) < t:
-            self._commit(span, span.horizon)
+        if span is None:
+            return
+        for f in reversed(span.finish_steps):         # the last finishing step started before t
+            if f < span.done:
+                return
+            if f < len(span.ends) and span.end_of(f) < t:
+                self._commit(span, f + 1)
+                return
 
     def deliver(self, request: Request, now: float) -> None:
         """Take `request` at time `now` (its exact arrival time): it enters at this
@@ -330,7 +379,7 @@ class Replica(SimEngine):
                 self._finish(sched.update(out, result, end).finished)
             else:
                 self._finish(update_steady_step(sched, step, result, end, ex.token_ids, ex.extend_tokens).finished)
-                self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted)
+                self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted, self._past_finishes)
             self._span_due = skipping
 
     def _start_span(self, a: float) -> bool:
@@ -362,25 +411,38 @@ class Replica(SimEngine):
         sched = self.scheduler
         running, waiting, swapped = span.counts
         durations, used_at = span.durations, span.used
-        mem_before = self.memory.w[:4]
-        tw = [self._w_used, self._w_running, self._w_waiting, self._w_swapped]
-        span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, i0, k)
-        piece_used = tw[0] - self._w_used
-        self._w_used, self._w_running, self._w_waiting, self._w_swapped = tw
-        if used_at[k - 1] > self._max_used:
-            self._max_used = used_at[k - 1]
-        t0 = span.end_of(i0)
-        length = span.end_of(k) - t0
-        mem_means = [(a - b) / length for a, b in zip(self.memory.w[:4], mem_before)]
-        num_seqs = span.model.n
-        self.timeseries.append((t0, length, k - i0, piece_used / length, running, waiting, swapped,
-                                num_seqs, num_seqs, 0, *mem_means))
+        # One timeseries row per phase of the piece (the spans the single engine runs).
+        cuts = [p for p in span.phase_starts if i0 < p < k] + [k]
+        a = i0
+        for b in cuts:
+            mem_before = self.memory.w[:4]
+            tw = [self._w_running, self._w_waiting, self._w_swapped]
+            used_before = self._w_used
+            if span.tok_at:
+                span.model.accumulate_phased(self.memory.w, tw, durations, used_at, span.tok_at, span.run_at, a, b)
+                running = num_seqs = span.run_at[a]
+            else:
+                span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, a, b)
+                num_seqs = span.model.n
+            piece_used = self._w_used - used_before
+            self._w_running, self._w_waiting, self._w_swapped = tw
+            if used_at[b - 1] > self._max_used:
+                self._max_used = used_at[b - 1]
+            t0 = span.end_of(a)
+            length = span.end_of(b) - t0
+            mem_means = [(x - y) / length for x, y in zip(self.memory.w[:4], mem_before)]
+            self.timeseries.append((t0, length, b - a, piece_used / length, running, waiting, swapped,
+                                    num_seqs, num_seqs, 0, *mem_means))
+            a = b
         ex = self.executor
         result = fast_forward(sched, k - i0, span.ends[i0:k], ex.token_ids, span.plan, ex.extend_tokens)
-        # Sequences that finished at the span's last step gave their blocks back.
-        shrunk = k == span.horizon and span.finishes
+        # Sequences that finished at the piece's last step gave their blocks back (the
+        # planned usage counts those of earlier steps as gone).
+        shrunk = k - 1 in span.finish_steps
         # The plan still describes the running set (its steps counted), less what finished.
-        self._steady = renew_steady_plan(sched, span.plan, through_finishes=True) if shrunk else span.plan
+        plan = span.plan
+        self._steady = renew_steady_plan(sched, plan, True, past_finishes=self._past_finishes) \
+            if plan.first_finish <= plan.applied else plan
         if sched.kv.gpu.num_used != used_at[k - 1] and not (shrunk and sched.kv.gpu.num_used < used_at[k - 1]):
             raise RuntimeError(f"replica {self.index}: KV usage {sched.kv.gpu.num_used} after a span, "
                                f"expected {used_at[k - 1]}")

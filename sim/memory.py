@@ -90,13 +90,13 @@ class SpanModel:
     def accumulate(self, w: list[float], tw: list[float], counts: tuple[int, int, int], durations, used_at,
                    i0: int, k: int) -> None:
         """Add steps i0..k-1 of the span to the memory integrals `w` (MemoryAccumulator.w)
-        and to tw = [used, running, waiting, swapped] block/request-seconds: the same
-        products, added in the same order, as `w += at(i, used_at[i]) * durations[i]` (and
-        `tw += (used, *counts) * durations[i]`) step by step (bit-identical), without building
+        and to tw = [running, waiting, swapped] request-seconds: the same products, added in
+        the same order, as `w += at(i, used_at[i]) * durations[i]` (and
+        `tw += counts * durations[i]`) step by step (bit-identical), without building
         a tuple per step. Terms that stay 0 are skipped (x + 0.0 == x for these sums of
         non-negative products)."""
         w0, w1, w2, w3, w4, w5, w6 = w
-        t_used, t_run, t_wait, t_swap = tw
+        t_run, t_wait, t_swap = tw
         running, waiting, swapped = counts
         n, bs, used0, ext = self.n, self.bs, self.used, self.ext
         res0, free0, total = self.res, self.free, self.total
@@ -108,7 +108,6 @@ class SpanModel:
             for i in range(i0, k):
                 dt, used = durations[i], used_at[i]
                 used_dt = used * dt
-                t_used += used_dt
                 t_run += running * dt
                 tok += n
                 free = free0 - bs * (used - used0)
@@ -121,7 +120,6 @@ class SpanModel:
             for i in range(i0, k):
                 dt, used = durations[i], used_at[i]
                 used_dt = used * dt
-                t_used += used_dt
                 t_run += running * dt
                 t_wait += waiting * dt
                 t_swap += swapped * dt
@@ -136,7 +134,31 @@ class SpanModel:
                 w5 += used_dt
                 w6 += (used - g) * dt
         w[:] = (w0, w1, w2, w3, w4, w5, w6)
-        tw[:] = (t_used, t_run, t_wait, t_swap)
+        tw[:] = (t_run, t_wait, t_swap)
+
+
+    def accumulate_phased(self, w: list[float], tw: list[float], durations, used_at, tok_at, run_at,
+                          i0: int, k: int) -> None:
+        """`accumulate` for a span that goes on past finishes (paged, nothing waiting or
+        swapped, one sequence per request): per step, its token states `tok_at[i]` and
+        running sequences `run_at[i]` (they drop after a step in which sequences finish),
+        the same products added in the same order as the single engine's span loop."""
+        w0, w1, w2, w3, w4, w5, w6 = w
+        t_run, t_wait, t_swap = tw
+        bs, used0, free0, total = self.bs, self.used, self.free, self.total
+        g = used0 - self.logical                          # logical blocks = used - g
+        for i in range(i0, k):
+            dt, used, tok = durations[i], used_at[i], tok_at[i]
+            used_dt = used * dt
+            t_run += run_at[i] * dt
+            free = free0 - bs * (used - used0)
+            w0 += tok * dt
+            w2 += (total - tok - free) * dt
+            w4 += free * dt
+            w5 += used_dt
+            w6 += (used - g) * dt
+        w[:] = (w0, w1, w2, w3, w4, w5, w6)
+        tw[:] = (t_run, t_wait, t_swap)
 
 
 class MemoryAccumulator:

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from core.event_skipping import (describe_steady_decode, fast_forward, renew_steady_plan, schedule_steady_step,
-                                 steady_decode_horizon, steady_decode_plan, update_steady_step)
+                                 steady_decode_horizon, update_steady_step)
 from core.metrics import RequestRecord
 from policies import REGISTRY, PolicySet
 from tests.core.toy_executor import ToyExecutor, next_token
@@ -52,7 +52,7 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
           through_finishes: bool = False, use_plan: bool = False, distinct: bool = False, carry: bool = False,
           past_finishes: bool = False):
     """Run `workload` step by step, or (fast) with spans; use_plan: spans come from
-    `steady_decode_plan` and are applied in two pieces through it (as a fleet replica cut
+    `describe_steady_decode` and are applied in two pieces through it (as a fleet replica cut
     short applies them), instead of `steady_decode_horizon` + a plan-less `fast_forward`.
     carry (as sim.engine): one plan carried across spans (`renew_steady_plan`, checked
     against a fresh pass every time) and the steps that admit arrivals after a span taken
@@ -122,7 +122,8 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
                 break
             carried = renewed(renew_steady_plan(sched, carried, through_finishes, past_finishes=past_finishes))
         while fast and not carry:                  # spans back to back while they end in finishes
-            plan = steady_decode_plan(sched, through_finishes) if use_plan else None
+            plan = (describe_steady_decode(sched, through_finishes, past_finishes) if use_plan else None)
+            plan = plan if plan is not None and plan.horizon > 0 else None
             k = steady_decode_horizon(sched, through_finishes) if not use_plan else plan.horizon if plan else 0
             if i < len(arrivals):
                 k = min(k, arrivals[i][0] - t)
@@ -134,8 +135,8 @@ def drive(workload, fast: bool, names: dict, caching: bool, blocks: int, cpu_blo
             else:
                 first = k // 2
                 done = fast_forward(sched, first, times[:first], token_fn, plan).finished
-                assert not done                    # finishes come at the span's last step only
-                done = fast_forward(sched, k - first, times[first:], token_fn, plan).finished
+                assert past_finishes or not done   # else finishes come at the span's last step only
+                done += fast_forward(sched, k - first, times[first:], token_fn, plan).finished
             t += k
             skipped += k
             finished_in_span += len(done)
@@ -157,16 +158,18 @@ def plan_view(plan):
 
 
 @given(workload=workloads(), names=policy_names(), caching=st.booleans(), blocks=st.integers(12, 28),
-       through_finishes=st.booleans(), use_plan=st.booleans())
+       through_finishes=st.booleans(), use_plan=st.booleans(), past_finishes=st.booleans())
 @settings(max_examples=300 if not os.environ.get("CI") else 1000, deadline=None)
-def test_fast_forward_matches_single_steps(workload, names, caching, blocks, through_finishes, use_plan):
+def test_fast_forward_matches_single_steps(workload, names, caching, blocks, through_finishes, use_plan,
+                                           past_finishes):
     """Spans that stop before a finish, or (through_finishes) end with the finishing step
     while nothing waits: requests finishing at different steps, by max_tokens or by the
-    model length limit, n = 1 and forked n = 2; spans applied whole, or from a
-    `steady_decode_plan` in two pieces."""
+    model length limit, n = 1 and forked n = 2; spans applied whole, or from a plan in two
+    pieces (as a fleet replica cut short applies them), possibly past finishes (which may
+    then fall in either piece)."""
     slow = drive(workload, False, names, caching, blocks, distinct=True)
     fast = drive(workload, True, names, caching, blocks, through_finishes=through_finishes, use_plan=use_plan,
-                 distinct=True)
+                 distinct=True, past_finishes=past_finishes)
     assert fast[0] == slow[0], names
     assert fast[2:5] == slow[2:5], names
 
