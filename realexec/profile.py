@@ -33,7 +33,11 @@ from core import SamplingParams
 from core.cost_fit import PHASES, fit_step_cost, fit_swap_cost, phase_of, shape_of
 from realexec.config import add_engine_args, engine_args_from_namespace
 
-FULL_CHUNK, QUICK_CHUNK = 256, 32
+# The full grid's chunk: served prompts of a few hundred tokens are prefilled in one step
+# (serve's default chunk is 2048), and on CPU a step's cost grows faster than linearly past
+# 256 tokens (SmolLM2 fp32: a 438-token prefill ~1.6x the line through the smaller ones),
+# so the grid reaches 512-token prefills rather than extrapolating to them.
+FULL_CHUNK, QUICK_CHUNK = 512, 32
 TIME_BASES = ("auto", "cpu", "wall")
 SWAP_BLOCKS, SWAP_BLOCKS_QUICK = (1, 4, 16, 64), (1, 4, 16)      # blocks per timed swap copy
 
@@ -58,7 +62,7 @@ def grid(chunk: int, quick: bool) -> list[tuple[str, dict]]:
         mixed = [(2, 8, p) for p in (8, chunk)]
         decode_tokens = 4
     else:
-        prefill = [(p, c) for p in sorted({16, 64, 128, chunk}) if p <= chunk for c in (0, chunk, 2 * chunk)]
+        prefill = [(p, c) for p in sorted({16, 64, 128, 256, chunk}) if p <= chunk for c in (0, chunk, 2 * chunk)]
         # small batches densely: on CPU the cost is not linear in the batch there (see cost_fit)
         decode = [(b, length) for b in (1, 2, 3, 4, 6, 8, 12, 16, 32) for length in (32, 128, 384)
                   if b * length <= 2048]
