@@ -34,9 +34,9 @@ from core.cost_fit import PHASES, fit_step_cost, fit_swap_cost, phase_of, shape_
 from realexec.config import add_engine_args, engine_args_from_namespace
 
 # The full grid's chunk: served prompts of a few hundred tokens are prefilled in one step
-# (serve's default chunk is 2048), and on CPU a step's cost grows faster than linearly past
-# 256 tokens (SmolLM2 fp32: a 438-token prefill ~1.6x the line through the smaller ones),
-# so the grid reaches 512-token prefills rather than extrapolating to them.
+# (serve's default chunk is 2048), and on CPU such a step costs more than the line through
+# smaller ones (SmolLM2 fp32, served: a 438-token prefill 1.5-1.7x a 256-token grid's
+# price, the other steps 1.2-1.3x), so the grid times prefills up to 512 tokens.
 FULL_CHUNK, QUICK_CHUNK = 512, 32
 TIME_BASES = ("auto", "cpu", "wall")
 SWAP_BLOCKS, SWAP_BLOCKS_QUICK = (1, 4, 16, 64), (1, 4, 16)      # blocks per timed swap copy

@@ -948,3 +948,16 @@ def test_a_host_that_only_jitters_is_calibrated_on_the_whole_session(tmp_path):
     assert all(len(r["fed"]) == 4 for r in report["rounds"])
     assert choose_pairing({"neighbours": [0.01, -0.01], "scenario": [0.01, 0.01], "session": []}) == "neighbours"
     assert choose_pairing({"neighbours": [], "scenario": [], "session": []}) == "neighbours"
+
+
+def test_the_full_profile_grid_times_prefills_of_served_prompt_sizes_in_one_step():
+    """`serve` prefills a prompt of a few hundred tokens in one step (chunk 2048), and on
+    CPU such a step costs more than the line through smaller ones: the full grid must time
+    one-step prefills up to 512 tokens (the light slice's 438-token prompt), not
+    extrapolate from 256."""
+    from realexec.profile import FULL_CHUNK, grid
+
+    work = grid(FULL_CHUNK, quick=False)
+    one_step = {p["tokens"] for kind, p in work if kind == "prefill" and p["context"] == 0}
+    assert max(one_step) >= 512 and 256 in one_step
+    assert max(p["new_prompt"] for kind, p in work if kind == "mixed") >= 512      # beside decodes too
