@@ -289,10 +289,11 @@ def run(args) -> int:
     if engine_args.max_num_batched_tokens is None:
         engine_args.max_num_batched_tokens = QUICK_CHUNK if args.quick else FULL_CHUNK
     engine_args.validate()
-    from realexec.engine import LLMEngine, freeze_startup_heap
+    from realexec.engine import LLMEngine, freeze_startup_heap, keep_freed_memory
 
     engine = LLMEngine(engine_args)
     freeze_startup_heap()              # as `serve` does: no full garbage collection inside a timed step
+    keep_freed_memory()                # as `serve` does: no page faults for every step's activations
     try:
         print(f"profiling {engine_args.model or 'SmolLM2-135M-Instruct'} "
               f"({'quick' if args.quick else 'full'} grid, {args.repeats} repeats)", file=sys.stderr)

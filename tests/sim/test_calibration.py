@@ -961,3 +961,35 @@ def test_the_full_profile_grid_times_prefills_of_served_prompt_sizes_in_one_step
     one_step = {p["tokens"] for kind, p in work if kind == "prefill" and p["context"] == 0}
     assert max(one_step) >= 512 and 256 in one_step
     assert max(p["new_prompt"] for kind, p in work if kind == "mixed") >= 512      # beside decodes too
+
+
+_ALLOCATING_STEPS = """
+import resource, sys
+if sys.argv[1] == "keep":
+    from realexec.engine import keep_freed_memory
+    assert keep_freed_memory()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for i in range(20):                     # steps allocating and freeing activations of a few MiB
+    bufs = []
+    for mb in (3, 6, 1, 12, 2, 24):
+        n = (mb << 20) + i * 4096
+        b = bytearray(n)
+        b[::4096] = b"\\x01" * len(range(0, n, 4096))
+        bufs.append(b)
+    del bufs
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and Linux page-fault counts")
+def test_keeping_freed_memory_spares_every_step_its_page_faults():
+    """Steps that allocate and free activations of a few MiB: with glibc's defaults each
+    one faults most of its pages in again; kept, only the first does."""
+    faults = {}
+    for mode in ("default", "keep"):
+        r = subprocess.run([PY, "-c", _ALLOCATING_STEPS, mode], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        faults[mode] = int(r.stdout.split()[-1])
+    first_step = sum(mb << 20 for mb in (3, 6, 1, 12, 2, 24)) // 4096
+    assert faults["default"] > 5 * first_step          # faulted again step after step
+    assert faults["keep"] < 2 * first_step             # the first step's pages, then reused
