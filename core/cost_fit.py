@@ -369,35 +369,44 @@ def fit_served_scale(rows: Sequence[tuple[str, int, float, float]], k: int = 5, 
     relative error of each held-out fold's total time (`total`: how well the steps' mix is
     priced), of all held-out predictions' sum (`pooled`: the bias a simulated clock
     accumulates over the whole run; a few long steps make single folds noisy, which can hide
-    a bias every fold shares) and of single steps (`step`). The simplest family within
-    SIMPLER_TOLERANCE (relative) or half a percentage point of the best on both the pooled
-    and the per-fold total error wins (else the simplest near the best pooled error)."""
+    a bias every fold shares), of each held-out fold's totals per stratum (`strata`: per
+    phase and batch-size bucket the predicted minus the measured seconds, their absolute
+    values summed over the fold's measured seconds: what a run with another mix of batch
+    sizes would see; one factor per phase prices the calibration runs' mix right but can
+    misprice a scenario of mostly 1-sequence decodes) and of single steps (`step`). The
+    simplest family within SIMPLER_TOLERANCE (relative) or half a percentage point of the
+    best pooled error, and among those of the best per-stratum error, wins (else the
+    simplest near the best pooled error)."""
     rows = [tuple(r) for r in rows]
     if len(rows) < 2:
         raise ValueError(f"served calibration needs at least 2 logged steps, got {len(rows)}")
     report = {}
     for family in SERVED_FAMILIES:
-        totals, steps = [], []
+        totals, strata, steps = [], [], []
         pooled_pred = pooled_meas = 0.0
         for train, held in _splits(len(rows), k, seed):
             factors = served_factors([rows[i] for i in train], family)
             pred = [rows[i][2] * served_factor(factors, rows[i][0], rows[i][1]) for i in held]
             meas = [rows[i][3] for i in held]
             totals.append(abs(sum(pred) - sum(meas)) / sum(meas))
+            by_stratum: dict[str, float] = {}
+            for i, p, m in zip(held, pred, meas):
+                key = f"{rows[i][0]}:{batch_bucket(rows[i][1])}"
+                by_stratum[key] = by_stratum.get(key, 0.0) + p - m
+            strata.append(sum(abs(d) for d in by_stratum.values()) / sum(meas))
             steps += relative_errors(pred, meas)
             pooled_pred += sum(pred)
             pooled_meas += sum(meas)
         report[family] = {"total": summarize_errors(totals), "pooled": abs(pooled_pred - pooled_meas) / pooled_meas,
-                          "step": summarize_errors(steps)}
+                          "strata": summarize_errors(strata), "step": summarize_errors(steps)}
 
     def near(value: float, best: float) -> bool:
         return value <= max(best * (1 + SIMPLER_TOLERANCE), best + 0.005)
 
     best_pooled = min(r["pooled"] for r in report.values())
-    best_fold = min(r["total"]["mean"] for r in report.values())
-    family = next((f for f in SERVED_FAMILIES
-                   if near(report[f]["pooled"], best_pooled) and near(report[f]["total"]["mean"], best_fold)),
-                  next(f for f in SERVED_FAMILIES if near(report[f]["pooled"], best_pooled)))
+    best_strata = min(r["strata"]["mean"] for r in report.values())
+    good = [f for f in SERVED_FAMILIES if near(report[f]["pooled"], best_pooled)]
+    family = next((f for f in good if near(report[f]["strata"]["mean"], best_strata)), good[0])
     return {"family": family, "factors": served_factors(rows, family), "held_out": report, "n": len(rows)}
 
 

@@ -33,7 +33,11 @@ from core import SamplingParams
 from core.cost_fit import PHASES, fit_step_cost, fit_swap_cost, phase_of, shape_of
 from realexec.config import add_engine_args, engine_args_from_namespace
 
-FULL_CHUNK, QUICK_CHUNK = 256, 32
+# The full grid's chunk: served prompts of a few hundred tokens are prefilled in one step
+# (serve's default chunk is 2048), and on CPU such a step costs more than the line through
+# smaller ones (SmolLM2 fp32, served: a 438-token prefill 1.5-1.7x a 256-token grid's
+# price, the other steps 1.2-1.3x), so the grid times prefills up to 512 tokens.
+FULL_CHUNK, QUICK_CHUNK = 512, 32
 TIME_BASES = ("auto", "cpu", "wall")
 SWAP_BLOCKS, SWAP_BLOCKS_QUICK = (1, 4, 16, 64), (1, 4, 16)      # blocks per timed swap copy
 
@@ -58,7 +62,7 @@ def grid(chunk: int, quick: bool) -> list[tuple[str, dict]]:
         mixed = [(2, 8, p) for p in (8, chunk)]
         decode_tokens = 4
     else:
-        prefill = [(p, c) for p in sorted({16, 64, 128, chunk}) if p <= chunk for c in (0, chunk, 2 * chunk)]
+        prefill = [(p, c) for p in sorted({16, 64, 128, 256, chunk}) if p <= chunk for c in (0, chunk, 2 * chunk)]
         # small batches densely: on CPU the cost is not linear in the batch there (see cost_fit)
         decode = [(b, length) for b in (1, 2, 3, 4, 6, 8, 12, 16, 32) for length in (32, 128, 384)
                   if b * length <= 2048]
@@ -285,10 +289,11 @@ def run(args) -> int:
     if engine_args.max_num_batched_tokens is None:
         engine_args.max_num_batched_tokens = QUICK_CHUNK if args.quick else FULL_CHUNK
     engine_args.validate()
-    from realexec.engine import LLMEngine, freeze_startup_heap
+    from realexec.engine import LLMEngine, freeze_startup_heap, keep_freed_memory
 
     engine = LLMEngine(engine_args)
     freeze_startup_heap()              # as `serve` does: no full garbage collection inside a timed step
+    keep_freed_memory()                # as `serve` does: no page faults for every step's activations
     try:
         print(f"profiling {engine_args.model or 'SmolLM2-135M-Instruct'} "
               f"({'quick' if args.quick else 'full'} grid, {args.repeats} repeats)", file=sys.stderr)

@@ -1,18 +1,23 @@
-"""`python -m sim.twin_tables`: the twin's error tables in one command (~7 min on 2 idle cores).
+"""`python -m sim.twin_tables`: the twin's error tables in one command (~11 min on 2 idle cores).
 
 1. Profiles the real engine (`python -m realexec profile`, full grid; or takes --profile).
-2. Calibrates it on served steps (`python -m sim calibrate`): each scenario's load and
-   engine flags, served once on a calibration slice of the trace (requests from
-   --calibration-skip on, arrival seed 1), disjoint from the validation slice (the trace's
-   first requests, seed 0).
-3. Validates the calibrated model at the two loads the README reports (`python -m sim
-   validate`, each served and benchmarked twice), the uncalibrated profile beside it:
+2. Serves, per scenario, --rounds validation runs (the trace's first requests, arrival
+   seed 0) interleaved with calibration runs (requests from --calibration-skip on, seed 1,
+   the same load and engine flags): C0 V0 C1 V1 ... CR, the scenarios' rounds alternating
+   (`sim.rounds`). Each a fresh `realexec serve --step-log` process loaded by `realexec
+   bench serve` (HTTP and streaming in the loop), in subprocesses: the simulator never
+   imports the real engine.
+3. Predicts every validation run with the profile calibrated (`sim calibrate`'s fit) on
+   the calibration runs on either side of it, simulating that run's logged workload, and
+   compares with the client's numbers. The scenarios:
   * light: 10 ShareGPT requests at 0.5 req/s, default engine (no queueing);
   * queueing: 20 requests at 4 req/s on 40 KV blocks of 16 tokens and at most 8
     sequences (requests queue, and the KV pool runs out: preemptions).
-Writes `tables.md` (both tables, the real runs' noise and CPU share, the machine's load
-average) and each scenario's report and figure under --out. Real engine work runs in
-subprocesses: the simulator never imports it.
+Writes `tables.md` (per scenario: the error of the mean prediction against the mean real
+run, each round's error, the same with one calibration made before everything and with
+the uncalibrated profile, the real runs' spread; the factors per round, the held-out
+check of the pairing, load averages), each scenario's `report.json`, calibrated models
+and per-round figures, and the runs under `runs/`.
 """
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+from sim.rounds import (CALIBRATION, DESIGNS, PAIRINGS, VALIDATION, Slot, calibration_for, choose_pairing,
+                        interior_calibration_runs, pairing_check, schedule)
+
 # name: (rate, requests, `realexec serve` flags); every scenario caps outputs at MAX_TOKENS
 SCENARIOS = {
     "light": (0.5, 10, ""),
@@ -33,11 +41,8 @@ MAX_TOKENS = 16
 CALIBRATION_SKIP, CALIBRATION_SEED = 100, 1
 
 
-def validate_args(name: str) -> list[str]:
-    rate, n, engine = SCENARIOS[name]
-    return ["--rate", str(rate), "--num-requests", str(n), "--max-tokens-cap", str(MAX_TOKENS)] \
-        + (["--engine-args", engine] if engine else [])
 ROWS = ["output_throughput"] + [f"{q}_{m}" for m in ("ttft", "tpot", "e2el") for q in ("median", "p90")]
+ROUNDS = 3
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -48,31 +53,164 @@ def _run(cmd: list[str], log: Path) -> None:
         raise RuntimeError(f"{cmd[2]} failed ({r.returncode}); see {log}")
 
 
-def markdown(name: str, report: dict) -> str:
-    errors, noise, stats = report["errors"], report["noise"], report["stats"]
-    contended = "sim (contended) vs mean" in errors
-    baseline = "sim (baseline) vs mean" in errors
-    head = ["metric", "real mean", "sim", "sim vs mean"] + (["sim (contended) vs mean"] if contended else []) \
-        + (["uncalibrated profile vs mean"] if baseline else []) + ["noise (±)"]
-    lines = [f"**{name}**: {report['num_requests']} requests at {report['rate']} req/s"
+def serve_args(slot: Slot, trace: str, calibration_skip: int) -> argparse.Namespace:
+    """`run_real`'s arguments for a slot: the scenario's load and engine flags, on the
+    calibration slice (requests from `calibration_skip`, seed 1) or the validation one."""
+    rate, n, engine = SCENARIOS[slot.scenario]
+    cal = slot.role == CALIBRATION
+    return argparse.Namespace(trace=trace, rate=rate, num_requests=n, engine_args=engine, max_tokens_cap=MAX_TOKENS,
+                              skip=calibration_skip if cal else 0, seed=CALIBRATION_SEED if cal else 0)
+
+
+def serve_all(slots: list[Slot], serve, runs_dir: Path, reuse: bool = False) -> dict[Slot, tuple[Path, dict, dict]]:
+    """Serve every slot in time order with `serve(slot, folder) -> (step log, bench result
+    file, machine)` (or, with `reuse`, take the runs already in `runs_dir`):
+    slot -> (step log, bench result, machine)."""
+    runs = {}
+    for i, slot in enumerate(slots):
+        d = runs_dir / f"{i:02d}-{slot.name}"
+        machine_file = d / "real1.machine.json"
+        if reuse:
+            if not machine_file.exists():
+                raise ValueError(f"--reuse-real: run {d} is missing")
+            log, result, machine = d / "real1.steps.jsonl", d / "real1.bench.json", json.loads(machine_file.read_text())
+        else:
+            d.mkdir(parents=True, exist_ok=True)
+            print(f"[{time.strftime('%H:%M:%S')}] serving {i + 1}/{len(slots)}: {slot.name}", file=sys.stderr, flush=True)
+            log, result, machine = serve(slot, d)
+            machine_file.write_text(json.dumps(machine))
+        runs[slot] = (log, json.loads(result.read_text()), machine)
+    return runs
+
+
+def served_ratio(model: dict, log: Path) -> tuple[float, float]:
+    """(logged over grid-predicted seconds, the calibrated model's over the grid's) summed
+    over a run's steps: how much slower than the profile the run was, and how much slower
+    the calibrated model prices exactly those steps."""
+    from core.cost_fit import StepCostEvaluator, served_factor
+    from core.step_log import load_log
+    from sim.calibrate import step_rows
+
+    grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
+    rows = step_rows(load_log(str(log))[2], grid, model.get("profile", {}).get("time_basis", "wall"))
+    factors = model.get("served", {}).get("factors", {})
+    g = sum(r[2] for r in rows)
+    return sum(r[3] for r in rows) / g, sum(p * served_factor(factors, ph, n) for ph, n, p, _ in rows) / g
+
+
+def session_rows(slots: list[Slot], runs: dict, profile: dict):
+    """slot -> its calibration rows (phase, seqs, grid prediction, logged seconds), cached."""
+    from core.cost_fit import StepCostEvaluator
+    from core.step_log import load_log
+    from sim.calibrate import step_rows
+
+    grid, basis, cache = StepCostEvaluator(profile), profile.get("profile", {}).get("time_basis", "wall"), {}
+
+    def rows(slot: Slot):
+        if slot not in cache:
+            cache[slot] = step_rows(load_log(str(runs[slot][0]))[2], grid, basis)
+        return cache[slot]
+    return rows
+
+
+def pick_pairing(slots: list[Slot], runs: dict, profile: dict, requested: str = "auto") -> tuple[str, dict]:
+    """(pairing, held-out check): `requested`, or for "auto" the pairing whose fits predict
+    left-out calibration runs best (validation runs play no part)."""
+    check = pairing_check(slots, session_rows(slots, runs, profile))
+    return (choose_pairing(check) if requested == "auto" else requested), check
+
+
+def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, profile_path: str,
+                    out: Path, pairing: str | None) -> dict:
+    """Per validation round of one scenario: the profile calibrated on the calibration runs
+    `pairing` names (None: uncalibrated), the simulation of the round's logged workload,
+    the real client's numbers."""
+    from core.step_log import load_log
+    from sim.calibrate import calibrate
+    from sim.validate import (client_stats, cpu_share, draw, engine_stats, mean_stats, rel_errors, run_noise,
+                              run_sim, workload_from_log)
+
+    out.mkdir(parents=True, exist_ok=True)
+    vals = [s for s in slots if s.role == VALIDATION and s.scenario == name]
+    cals = [s for s in slots if s.role == CALIBRATION and s.scenario == name]
+    once_path, calibrate_runs = None, pairing is not None
+    if calibrate_runs:
+        once_path = out / "calibrated.once.json"          # one calibration before everything: C0 alone
+        once_path.write_text(json.dumps(calibrate(profile, [runs[cals[0]][:2]])))
+    rounds, real, sim, once, base = [], [], [], [], []
+    for v in vals:
+        log, bench, machine = runs[v]
+        config, trace, engine = workload_from_log(log)
+        real.append(client_stats(bench))
+        steps = load_log(str(log))[2]
+        entry = {"round": v.round, "machine": machine, "cpu_share": cpu_share(steps),
+                 "preemptions": sum(len(s["decision"]["preempted"]) for s in steps)}
+        path = profile_path
+        if calibrate_runs:
+            fed = calibration_for(slots, v, pairing)
+            model = calibrate(profile, [runs[c][:2] for c in fed])
+            path = str(out / f"calibrated.r{v.round}.json")
+            Path(path).write_text(json.dumps(model))
+            base.append(run_sim(config, trace, profile_path, engine["first_visible"])[0])
+            once.append(run_sim(config, trace, str(once_path), engine["first_visible"])[0])
+            actual, priced = served_ratio(model, log)
+            entry.update(fed=[c.name for c in fed], family=model["served"]["family"],
+                         factors=model["served"]["factors"], client=model["client"],
+                         validation_ratio=actual, predicted_ratio=priced,
+                         calibration_ratios=[served_ratio(model, runs[c][0])[0] for c in fed])
+        stats, sim_e2e, sim_batch, _ = run_sim(config, trace, path, engine["first_visible"])
+        sim.append(stats)
+        _, real_e2e = engine_stats(trace, engine)
+        draw(out / f"round{v.round}.png", real_e2e, sim_e2e, engine["batch"], sim_batch)
+        entry["errors"] = rel_errors(sim[-1], real[-1])
+        rounds.append(entry)
+    real_mean = mean_stats(real)
+    errors = {"sim vs mean": rel_errors(mean_stats(sim), real_mean)}
+    if calibrate_runs:
+        errors["calibrated once vs mean"] = rel_errors(mean_stats(once), real_mean)
+        errors["uncalibrated vs mean"] = rel_errors(mean_stats(base), real_mean)
+    rate, n, engine_args = SCENARIOS[name]
+    report = {"scenario": name, "rate": rate, "num_requests": n, "engine_args": engine_args,
+              "real": real, "sim": sim, "once": once, "uncalibrated": base, "real mean": real_mean,
+              "errors": errors, "noise": run_noise(real), "rounds": rounds, "pairing": pairing,
+              "cpu_count": os.cpu_count()}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def markdown(report: dict) -> str:
+    errors, noise, rounds = report["errors"], report["noise"], report["rounds"]
+    per_round = [f"round {r['round'] + 1}" for r in rounds]
+    cols = list(errors)
+    head = ["metric", "real mean"] + cols + per_round + ["noise (±)"]
+    lines = [f"**{report['scenario']}**: {report['num_requests']} requests at {report['rate']} req/s"
              + (f", `{report['engine_args']}`" if report["engine_args"] else "")
-             + f", {report['preemptions_real']} preemption(s) in real run 1",
+             + f", {len(rounds)} rounds; preemptions per round: " + ", ".join(str(r["preemptions"]) for r in rounds),
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in ROWS:
         scale, unit = (1.0, "tok/s") if k == "output_throughput" else (1e3, "ms")
-        cells = [f"{k} ({unit})", f"{stats['real mean'][k] * scale:.1f}", f"{stats['sim'][k] * scale:.1f}",
-                 f"{errors['sim vs mean'][k] * 100:+.1f}%"]
-        if contended:
-            cells.append(f"{errors['sim (contended) vs mean'][k] * 100:+.1f}%")
-        if baseline:
-            cells.append(f"{errors['sim (baseline) vs mean'][k] * 100:+.1f}%")
+        cells = [f"{k} ({unit})", f"{report['real mean'][k] * scale:.1f}"]
+        cells += [f"{errors[c][k] * 100:+.1f}%" for c in cols]
+        cells += [f"{r['errors'][k] * 100:+.1f}%" for r in rounds]
         cells.append(f"{noise[k] * 100:.1f}%")
         lines.append("| " + " | ".join(cells) + " |")
-    shares = ", ".join(f"{s * 100:.0f}%" for s in report["cpu_share"] if s is not None)
-    loads = ", ".join(f"{m['loadavg_1m_before']:.2f}->{m['loadavg_1m_after']:.2f}" for m in report["machine"])
-    lines += ["", f"engine thread on a core, per real run: {shares or 'n/a'}"
-              + (f" (contended sim: steps x{report['contention_scale']:.2f})" if report.get("contention_scale") else "")
-              + f"; load average (1 min) per run: {loads} on {report['cpu_count']} CPUs", ""]
+    lines.append("")
+    if rounds and "factors" in rounds[0]:
+        lines += ["| round | fitted on | family | factors | client delay first/last (ms) | calibration runs' "
+                  "served/profile | validation run's served/profile | calibrated model on its steps |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rounds:
+            factors = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(r["factors"].items()))
+            fed = " + ".join(r["fed"]) if len(r["fed"]) <= 2 else f"all {len(r['fed'])} calibration runs"
+            lines.append(f"| {r['round'] + 1} | {fed} | {r['family']} | {factors} | "
+                         f"{r['client']['first_token_s'] * 1e3:.1f} / {r['client']['last_token_s'] * 1e3:.1f} | "
+                         + ", ".join(f"x{x:.3f}" for x in r["calibration_ratios"])
+                         + f" | x{r['validation_ratio']:.3f} | x{r['predicted_ratio']:.3f} |")
+        lines.append("")
+    shares = ", ".join(f"{r['cpu_share'] * 100:.0f}%" for r in rounds if r["cpu_share"] is not None)
+    loads = ", ".join(f"{r['machine']['loadavg_1m_before']:.2f}->{r['machine']['loadavg_1m_after']:.2f}" for r in rounds)
+    lines += [f"engine thread on a core, per validation run: {shares or 'n/a'}; load average (1 min) per "
+              f"validation run: {loads} on {report['cpu_count']} CPUs", ""]
     return "\n".join(lines)
 
 
@@ -83,45 +221,66 @@ def main(argv: list[str] | None = None) -> int:
                    help="use this `realexec profile` output instead of profiling first")
     p.add_argument("--repeats", type=int, default=2, help="profile repeats (default: %(default)s)")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="validation runs per scenario (default: %(default)s)")
+    p.add_argument("--design", choices=DESIGNS, default="interleaved",
+                   help="interleaved: C0 V0 C1 V1 .. CR per scenario; sequential: every calibration run first "
+                        "(default: %(default)s)")
+    p.add_argument("--pairing", choices=("auto",) + PAIRINGS, default="auto",
+                   help="which calibration runs a validation run's prediction is fitted on (sim.rounds); auto: the "
+                        "one whose fit predicts left-out calibration runs best (default: %(default)s)")
     p.add_argument("--no-calibration", action="store_true",
-                   help="validate the profile as it is (skip `sim calibrate` on served steps)")
+                   help="serve the validation runs only and validate the profile as it is")
     p.add_argument("--calibration-skip", type=int, default=CALIBRATION_SKIP, metavar="K",
                    help="calibration requests start at the trace's K-th (default: %(default)s; must be past "
                         "every validation slice)")
+    p.add_argument("--reuse-real", action="store_true", help="take the served runs already in OUT/runs and only fit "
+                                                             "and simulate again")
     p.add_argument("--out", default="results/twin", help="output folder (default: %(default)s)")
     args = p.parse_args(argv)
     largest = max(SCENARIOS[name][1] for name in args.scenarios)
     if not args.no_calibration and args.calibration_skip < largest:
         p.error(f"--calibration-skip {args.calibration_skip} overlaps the validation slices "
                 f"(the trace's first {largest} requests)")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    from sim.fitted_cost import load_cost_model_file
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     py, t0 = sys.executable, time.monotonic()
     profile = args.profile
     if profile is None:
         profile = str(out / "profile.json")
-        _run([py, "-m", "realexec", "profile", "--repeats", str(args.repeats), "--out", profile],
-             out / "profile.log")
-    cost_model, extra = profile, []
-    if not args.no_calibration:
-        cost_model, extra = str(out / "calibrated.json"), ["--baseline-cost-model", profile]
-        loads = []
-        for name in args.scenarios:
-            rate, n, engine = SCENARIOS[name]
-            loads += ["--load", f"{rate}:{n}" + (f":{engine}" if engine else "")]
-        _run([py, "-m", "sim", "calibrate", args.trace, "--cost-model", profile, "--out", cost_model,
-              "--work", str(out / "calibration"), "--skip", str(args.calibration_skip),
-              "--seed", str(CALIBRATION_SEED), "--max-tokens-cap", str(MAX_TOKENS), *loads], out / "calibrate.log")
-    parts = [f"# twin validation ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, profile {profile}"
-             + ("" if args.no_calibration else f", calibrated on served steps: {cost_model} (trace requests "
-                f"from #{args.calibration_skip}, seed {CALIBRATION_SEED}; validation: the first ones, seed 0)")
-             + ")", ""]
-    if not args.no_calibration:
-        parts += ["```", (out / "calibrate.log").read_text().strip(), "```", ""]
+        if not args.reuse_real:
+            _run([py, "-m", "realexec", "profile", "--repeats", str(args.repeats), "--out", profile],
+                 out / "profile.log")
+    model = load_cost_model_file(profile)
+    slots = schedule(args.scenarios, args.rounds, args.design, calibrate=not args.no_calibration)
+    from sim.validate import run_real
+
+    def serve(slot: Slot, folder: Path):
+        return run_real(serve_args(slot, args.trace, args.calibration_skip), folder, 1)
+    runs = serve_all(slots, serve, out / "runs", args.reuse_real)
+    pairing, check = (None, {}) if args.no_calibration else pick_pairing(slots, runs, model, args.pairing)
+    parts = [f"# twin validation ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, profile {profile}, "
+             f"{args.rounds} rounds, {args.design if pairing else 'uncalibrated'}"
+             + (f", pairing: {pairing}" if pairing else "") + ")", "",
+             "served in this order: " + " ".join(s.name for s in slots), ""]
+    if pairing:
+        held = [s.name for s in interior_calibration_runs(slots)]
+        parts += [f"Calibration slice: trace requests from #{args.calibration_skip}, seed {CALIBRATION_SEED}; "
+                  "validation: the first ones, seed 0. Held-out check of the pairings on calibration runs alone "
+                  f"(each of {', '.join(held)} left out and its total step time predicted by a fit on):", ""]
+        parts += [f"    {name:10s} " + " ".join(f"{e * 100:+6.1f}%" for e in errs)
+                  + (f"   mean |error| {sum(map(abs, errs)) / len(errs) * 100:.1f}%" if errs else "")
+                  + ("   <- chosen" if name == pairing else "") for name, errs in check.items()]
+        parts += ["", "`sim vs mean`: the mean of the rounds' predictions against the mean of the real runs; "
+                  "`round r`: that round's prediction against its own real run; `calibrated once`: fitted on the "
+                  "scenario's first calibration run only (one calibration before the validation runs, as before "
+                  "rounds); noise: the real runs' largest distance from their mean.", ""]
     for name in args.scenarios:
-        _run([py, "-m", "sim", "validate", args.trace, "--cost-model", cost_model, "--out", str(out / name),
-              *validate_args(name), *extra], out / f"{name}.log")
-        parts.append(markdown(name, json.loads((out / name / "report.json").read_text())))
+        report = scenario_report(name, slots, runs, model, profile, out / name, pairing)
+        parts.append(markdown(report))
     parts.append(f"took {time.monotonic() - t0:.0f}s; load average now {os.getloadavg()[0]:.2f}")
     text = "\n".join(parts) + "\n"
     (out / "tables.md").write_text(text)

@@ -37,7 +37,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from realexec.engine import LLMEngine, freeze_startup_heap
+    from realexec.engine import LLMEngine, freeze_startup_heap, keep_freed_memory
     from realexec.server.app import create_app, default_served_model_name
     from realexec.server.lifecycle import DrainingServer
 
@@ -45,6 +45,7 @@ def run_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [default_served_model_name(engine_args.model)]
     app = create_app(engine, served_model_name=names, config=config)
     frozen = freeze_startup_heap()             # no 0.2 s full garbage collection inside a step
+    keep_freed_memory()                        # no page faults for every step's activations
     print(f"twinserve: {frozen} startup objects kept out of the garbage collector", flush=True)
     print(f"twinserve: serving {names[0]!r} (max_model_len {engine.max_model_len}, "
           f"{engine.scheduler.cache_config.num_gpu_blocks} KV blocks of {engine_args.block_size}"

@@ -791,3 +791,205 @@ def test_freezing_the_startup_heap_takes_it_out_of_full_collections_but_collects
         assert gone() is None
     finally:
         gc.unfreeze()
+
+
+# ----------------------------------------------------------------------------- A/B rounds
+
+def test_served_scale_prices_a_mix_unlike_the_calibration_runs_by_its_own_batch_size():
+    """Regression (quiet run 17:33): 1-sequence served decodes ran at the profile's speed,
+    larger batches and prefills ~1.25x slower. One decode factor gets the calibration runs'
+    mix right (pooled and per-fold totals equal to phase+batch's) but prices a light load
+    of mostly 1-sequence decodes 20% high; the per-stratum held-out error shows it."""
+    from core.cost_fit import fit_served_scale, served_factor
+
+    def gap(phase, seqs):
+        return 1.0 if phase == "decode" and seqs == 1 else 1.25
+    rows = _served_rows(gap, n=240, noise=0.1)
+    fit = fit_served_scale(rows)
+    held = fit["held_out"]
+    assert held["phase"]["pooled"] <= held["phase+batch"]["pooled"]          # what hid it
+    assert held["phase"]["strata"]["mean"] > 1.3 * held["phase+batch"]["strata"]["mean"]
+    assert fit["family"] == "phase+batch"
+    assert served_factor(fit["factors"], "decode", 1) == pytest.approx(1.0, rel=0.06)
+    assert served_factor(fit["factors"], "decode", 3) == pytest.approx(1.25, rel=0.06)
+    same = fit_served_scale(_served_rows(lambda phase, seqs: 1.2, n=240, noise=0.1))
+    assert same["family"] == "phase"                  # no gap between batch sizes: the simpler family
+
+
+def test_rounds_interleave_calibration_and_validation_and_pair_each_with_its_neighbours():
+    from sim.rounds import CALIBRATION, VALIDATION, Slot, calibration_for, schedule
+
+    slots = schedule(["a", "b"], 2)
+    assert [s.name for s in slots] == ["cal-a-r0", "val-a-r0", "cal-b-r0", "val-b-r0", "cal-a-r1", "val-a-r1",
+                                       "cal-b-r1", "val-b-r1", "cal-a-r2", "cal-b-r2"]
+    assert calibration_for(slots, Slot(VALIDATION, "b", 1)) == [Slot(CALIBRATION, "b", 1), Slot(CALIBRATION, "b", 2)]
+    seq = schedule(["a", "b"], 2, "sequential")
+    assert sorted(seq, key=str) == sorted(slots, key=str) and all(s.role == CALIBRATION for s in seq[:6])
+    assert calibration_for(seq, Slot(VALIDATION, "a", 0)) == [Slot(CALIBRATION, "a", 2)]
+    assert all(s.role == VALIDATION for s in schedule(["a"], 3, calibrate=False))
+    for bad, match in (((["a"], 0), "rounds must be"), (([], 1), "no scenario"), ((["a"], 1, "zigzag"), "design")):
+        with pytest.raises(ValueError, match=match):
+            schedule(*bad)
+    # a left-out calibration run is fitted on the others: the pairings' candidates
+    assert calibration_for(slots, Slot(CALIBRATION, "a", 1)) == [Slot(CALIBRATION, "a", 0), Slot(CALIBRATION, "a", 2)]
+    assert calibration_for(slots, Slot(CALIBRATION, "a", 1), "scenario") == [Slot(CALIBRATION, "a", 0),
+                                                                             Slot(CALIBRATION, "a", 2)]
+    assert calibration_for(slots, Slot(VALIDATION, "a", 1), "scenario") == [Slot(CALIBRATION, "a", r) for r in range(3)]
+    assert len(calibration_for(slots, Slot(VALIDATION, "a", 1), "session")) == 6
+    with pytest.raises(ValueError, match="not a run of this schedule"):
+        calibration_for(slots, Slot(VALIDATION, "a", 5))
+    with pytest.raises(ValueError, match="pairing must be"):
+        calibration_for(slots, Slot(VALIDATION, "a", 0), "nearest")
+
+
+class DriftingHost:
+    """A fake served-run source: an engine that serves one request at a time (arrivals 5 s
+    apart), each step taking the profile's time x a speed that drifts with every run served
+    (run i of the schedule: drift(i)), and writes what `realexec serve --step-log` and
+    `bench serve` write (client = engine: no HTTP delay)."""
+    CONFIG = {"kind": "config", "format": "twinserve-step-log",
+              "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 512,
+                            "enable_chunked_prefill": True},
+              "cache": {"block_size": 16, "num_gpu_blocks": 64, "num_cpu_blocks": 0, "enable_prefix_caching": False,
+                        "watermark": 0.01},
+              "policies": {"queue": "fcfs", "preemption": "recompute", "victim": "newest", "eviction": "lru"}}
+    REQUESTS = {"calibration": [(24, 6), (60, 5), (9, 8), (40, 6)], "validation": [(30, 7), (12, 6), (50, 5)]}
+
+    def __init__(self, model: dict, slots: list, drift):
+        self.grid, self.slots, self.drift = StepCostEvaluator(model), slots, drift
+
+    def _step(self, recs, t, rid, start, n, speed):
+        dt = self.grid.step_time(*shape_of([start], [n])) * speed
+        recs.append({"kind": "step", "step": len(recs), "t_start": t, "t_end": t + dt, "step_s": dt, "cpu_s": dt,
+                     "decision": {"batch": [[rid, start, n, 1, 4]], "preempted": []}})
+        return t + dt
+
+    def __call__(self, slot, folder: Path):
+        speed = self.drift(self.slots.index(slot))
+        recs, t = [dict(self.CONFIG)], 0.0
+        bench = {"ttfts": [], "itls": [], "input_lens": [], "output_lens": [], "errors": []}
+        for i, (prompt, out) in enumerate(self.REQUESTS[slot.role]):
+            rid, arrival = f"{slot.role}{i}", 1.0 + 5.0 * i
+            t = max(t, arrival)
+            recs.append({"kind": "arrival", "req_id": rid, "step": len(recs), "t": t, "t_arrival": arrival,
+                         "prompt_token_ids": [7] * prompt})
+            t = first = self._step(recs, t, rid, 0, prompt, speed)
+            itls = []
+            for j in range(1, out):
+                end = self._step(recs, t, rid, prompt + j - 1, 1, speed)
+                itls.append(end - t)
+                t = end
+            recs.append({"kind": "finish", "req_id": rid, "status": "length", "num_output_tokens": out,
+                         "first_text_token": 1})
+            for key, v in (("ttfts", first - arrival), ("itls", itls), ("input_lens", prompt), ("output_lens", out),
+                           ("errors", "")):
+                bench[key].append(v)
+        bench["output_throughput"] = sum(bench["output_lens"]) / (t - 1.0)
+        log, result = folder / "real1.steps.jsonl", folder / "real1.bench.json"
+        log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        result.write_text(json.dumps(bench))
+        return log, result, {"loadavg_1m_before": 0.0, "loadavg_1m_after": 0.0}
+
+
+def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift) -> tuple[dict, str, dict]:
+    """(light scenario's report, the pairing chosen by the held-out check, the check)."""
+    from sim.rounds import schedule
+    from sim.twin_tables import pick_pairing, scenario_report, serve_all
+
+    profile = _bumpy_model()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    slots = schedule(["light"], 3, design)
+    runs = serve_all(slots, DriftingHost(profile, slots, drift), tmp_path / "runs")
+    pairing, check = pick_pairing(slots, runs, profile)
+    return scenario_report("light", slots, runs, profile, str(path), tmp_path / "light", pairing), pairing, check
+
+
+def test_interleaved_rounds_track_a_host_that_drifts_and_sequential_ones_do_not(tmp_path):
+    """The host gets 8% slower with every run served. Interleaved (C0 V0 C1 V1 ..), each
+    validation run is predicted by the calibration runs on either side of it: its own
+    speed, whatever the drift. Sequential (every calibration first), the prediction keeps
+    the last calibration run's speed and falls further behind every round; so does one
+    calibration made before everything (the `calibrated once` column)."""
+    drift = lambda i: 1.0 + 0.08 * i                     # noqa: E731
+    inter, pairing, check = _rounds_on_a_drifting_host(tmp_path / "interleaved", "interleaved", drift)
+    assert pairing == "neighbours"            # held out on calibration runs alone: C(r) from C(r-1), C(r+1)
+    assert max(map(abs, check["neighbours"])) < 0.01 < min(map(abs, check["scenario"] + check["session"]))
+    for r, entry in enumerate(inter["rounds"]):
+        assert entry["fed"] == [f"cal-light-r{r}", f"cal-light-r{r + 1}"]
+        assert entry["predicted_ratio"] == pytest.approx(drift(2 * r + 1), rel=0.01)       # V(r) is run 2r+1
+        assert entry["validation_ratio"] == pytest.approx(drift(2 * r + 1), rel=1e-6)
+        for k in ("median_tpot", "p90_tpot", "median_e2el"):
+            assert abs(entry["errors"][k]) < 0.01, (r, k, entry["errors"][k])
+    for k in ("median_tpot", "median_ttft", "median_e2el"):        # (throughput: set by the arrivals here)
+        assert abs(inter["errors"]["sim vs mean"][k]) < 0.01
+        assert abs(inter["errors"]["calibrated once vs mean"][k]) > 0.1
+    assert (tmp_path / "interleaved" / "light" / "round2.png").exists()
+
+    seq, _, _ = _rounds_on_a_drifting_host(tmp_path / "sequential", "sequential", drift)
+    tpot = [entry["errors"]["median_tpot"] for entry in seq["rounds"]]
+    assert all(e < -0.04 for e in tpot) and tpot[0] > tpot[1] > tpot[2]
+    assert seq["errors"]["sim vs mean"]["median_tpot"] < -0.08
+    steady, _, _ = _rounds_on_a_drifting_host(tmp_path / "steady", "sequential", lambda i: 1.2)
+    assert all(abs(e["errors"]["median_tpot"]) < 0.01 for e in steady["rounds"])     # no drift: both designs fit
+
+
+def test_a_host_that_only_jitters_is_calibrated_on_the_whole_session(tmp_path):
+    """Run-to-run jitter without a trend (what this host showed: 1.07-1.34x between
+    consecutive runs): two neighbours average it less well than every calibration run of
+    the session, and the held-out check says so."""
+    from sim.rounds import choose_pairing
+
+    jitter = [1.3, 1.1, 1.0, 1.2, 1.3, 1.15, 1.0]           # calibration runs (0, 2, 4, 6): up, down, up, down
+    report, pairing, check = _rounds_on_a_drifting_host(tmp_path, "interleaved", lambda i: jitter[i])
+    assert pairing == "scenario"             # (one scenario: the session's runs are the same ones; a tie: the first)
+    assert sum(map(abs, check[pairing])) < sum(map(abs, check["neighbours"]))
+    assert all(len(r["fed"]) == 4 for r in report["rounds"])
+    assert choose_pairing({"neighbours": [0.01, -0.01], "scenario": [0.01, 0.01], "session": []}) == "neighbours"
+    assert choose_pairing({"neighbours": [], "scenario": [], "session": []}) == "neighbours"
+
+
+def test_the_full_profile_grid_times_prefills_of_served_prompt_sizes_in_one_step():
+    """`serve` prefills a prompt of a few hundred tokens in one step (chunk 2048), and on
+    CPU such a step costs more than the line through smaller ones: the full grid must time
+    one-step prefills up to 512 tokens (the light slice's 438-token prompt), not
+    extrapolate from 256."""
+    from realexec.profile import FULL_CHUNK, grid
+
+    work = grid(FULL_CHUNK, quick=False)
+    one_step = {p["tokens"] for kind, p in work if kind == "prefill" and p["context"] == 0}
+    assert max(one_step) >= 512 and 256 in one_step
+    assert max(p["new_prompt"] for kind, p in work if kind == "mixed") >= 512      # beside decodes too
+
+
+_ALLOCATING_STEPS = """
+import resource, sys
+if sys.argv[1] == "keep":
+    from realexec.engine import keep_freed_memory
+    assert keep_freed_memory()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for i in range(20):                     # steps allocating and freeing activations of a few MiB
+    bufs = []
+    for mb in (3, 6, 1, 12, 2, 24):
+        n = (mb << 20) + i * 4096
+        b = bytearray(n)
+        b[::4096] = b"\\x01" * len(range(0, n, 4096))
+        bufs.append(b)
+    del bufs
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and Linux page-fault counts")
+def test_keeping_freed_memory_spares_every_step_its_page_faults():
+    """Steps that allocate and free activations of a few MiB: with glibc's defaults each
+    one faults most of its pages in again; kept, only the first does."""
+    faults = {}
+    for mode in ("default", "keep"):
+        r = subprocess.run([PY, "-c", _ALLOCATING_STEPS, mode], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        faults[mode] = int(r.stdout.split()[-1])
+    first_step = sum(mb << 20 for mb in (3, 6, 1, 12, 2, 24)) // 4096
+    assert faults["default"] > 5 * first_step          # faulted again step after step
+    assert faults["keep"] < 2 * first_step             # the first step's pages, then reused
