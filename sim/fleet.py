@@ -32,8 +32,8 @@ plan then grows, at least doubling), and it is cut short (`Span.cut`) when a req
 routed to it. So a replica pays for its own arrivals and finishes only, plus a constant
 per arrival instant, and a fleet of N replicas costs about N single replicas serving 1/N
 of the load each; routers that read KV state add one partial commit per replica and
-arrival. Other routers still see finishes as of each arrival: a span whose finishing step
-started before the arrival is committed first (`sync_finishes`).
+arrival. Other routers still see finishes as of each arrival: the requests a pending span
+finishes in steps that started before the arrival no longer count (`sync_finishes`).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class Span:
     `run_at`: token states and running sequences per step; `phase_starts`)."""
 
     __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon", "plan",
-                 "tok_at", "run_at", "phase_starts", "finish_steps", "_leaving", "_bounds", "_tok",
+                 "tok_at", "run_at", "phase_starts", "finish_steps", "_leaving", "_bounds", "_tok", "_finish_counts",
                  "_price", "_num_seqs", "_context_sum", "_starts", "_late", "_bs", "_used", "_t")
 
     def __init__(self, replica: "Replica", plan: SteadyDecode):
@@ -137,6 +137,7 @@ class Span:
         self._tok = self.model.tok
         self.tok_at: list[int] = []
         self.run_at: list[int] = []
+        self._finish_counts: dict[int, int] | None = None      # step -> requests it finishes (lazy)
 
     def extend(self, n: int) -> None:
         """Plan the next n steps (cut spans never price the steps they do not run)."""
@@ -184,6 +185,17 @@ class Span:
             self.durations += durations
         self._used, self._t = used, t
 
+    def requests_finished_before(self, t: float) -> int:
+        """Requests (one sequence each) that finish in the steps not yet committed that start
+        before t. (A span cut by a delivery is committed before the next arrival instant.)"""
+        counts = self._finish_counts
+        if counts is None:
+            counts = self._finish_counts = {f: len(v) for f, v in self._leaving.items()}
+            if self.finishes:
+                counts[self.horizon - 1] = sum(1 for left in self.plan.lefts if left == self.horizon)
+        s = self.steps_started_before(t)
+        return sum(c for f, c in counts.items() if self.done <= f < s)
+
     def steps_started_before(self, t: float) -> int:
         if t <= self.start:
             return 0
@@ -217,6 +229,7 @@ class Replica(SimEngine):
         self.inbox: deque[Request] = deque()
         self.served: list[int] = []           # trace indices routed here, in routing order
         self._span: Span | None = None
+        self._seen_at: float | None = None    # the router's instant (`sync_finishes`), for `outstanding`
         # Waiting (idle, or blocked with nothing that fits) until a delivery: the state
         # then, for the gap's accounting (used blocks, counts, memory sample).
         self._waiting: tuple | None = None
@@ -228,7 +241,11 @@ class Replica(SimEngine):
     # -- what the router sees ----------------------------------------------------------
     @property
     def outstanding(self) -> int:
-        return len(self.scheduler.requests) + len(self.inbox)
+        n = len(self.scheduler.requests) + len(self.inbox)
+        span = self._span
+        if span is not None and self._seen_at is not None:
+            n -= span.requests_finished_before(self._seen_at)
+        return n
 
     @property
     def kv_usage(self) -> float:
@@ -246,11 +263,16 @@ class Replica(SimEngine):
             self._commit(span, max(span.done, span.steps_started_before(t)))
 
     def sync_finishes(self, t: float) -> None:
-        """Apply a pending span through its last step in which sequences finish that starts
-        before t: the router then counts outstanding requests as of t, as step by step
-        (where the finishing step's results apply when it starts)."""
+        """Let the router count outstanding requests as of t, as step by step (where a
+        finishing step's results apply when it starts): a pending span's requests that
+        finish in steps starting before t no longer count (`Span.requests_finished_before`;
+        a span whose requests have several sequences is committed through that step)."""
+        self._seen_at = None
         span = self._span
         if span is None:
+            return
+        if span.plan.num_requests == span.plan.num_seqs:
+            self._seen_at = t                          # `outstanding` subtracts them, uncommitted
             return
         for f in reversed(span.finish_steps):         # the last finishing step started before t
             if f < span.done:
