@@ -137,7 +137,7 @@ class Span:
         self._tok = self.model.tok
         self.tok_at: list[int] = []
         self.run_at: list[int] = []
-        self._finish_counts: dict[int, int] | None = None      # step -> requests it finishes (lazy)
+        self._finish_counts: list[int] | None = None     # cumulative requests over finish_steps (lazy)
 
     def extend(self, n: int) -> None:
         """Plan the next n steps (cut spans never price the steps they do not run)."""
@@ -188,13 +188,17 @@ class Span:
     def requests_finished_before(self, t: float) -> int:
         """Requests (one sequence each) that finish in the steps not yet committed that start
         before t. (A span cut by a delivery is committed before the next arrival instant.)"""
-        counts = self._finish_counts
-        if counts is None:
-            counts = self._finish_counts = {f: len(v) for f, v in self._leaving.items()}
+        cum = self._finish_counts
+        if cum is None:
+            counts = {f: len(v) for f, v in self._leaving.items()}
             if self.finishes:
                 counts[self.horizon - 1] = sum(1 for left in self.plan.lefts if left == self.horizon)
-        s = self.steps_started_before(t)
-        return sum(c for f, c in counts.items() if self.done <= f < s)
+            cum = [0]                                   # cum[j]: requests finishing in finish_steps[:j]
+            for f in self.finish_steps:
+                cum.append(cum[-1] + counts[f])
+            self._finish_counts = cum
+        steps = self.finish_steps
+        return cum[bisect_left(steps, self.steps_started_before(t))] - cum[bisect_left(steps, self.done)]
 
     def steps_started_before(self, t: float) -> int:
         if t <= self.start:
