@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from array import array
 import sys
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -94,11 +94,11 @@ class Span:
 
     A span that goes on past finishes (`SimEngine._past_finishes`) is planned in phases as
     the single engine runs it: after a step in which sequences finish, the next steps are
-    priced without them and their blocks and tokens leave the accounting (`tok_at`,
-    `run_at`: token states and running sequences per step; `phase_starts`)."""
+    priced without them and their blocks and tokens leave the accounting (`phases`: each
+    one's first step, running sequences and token states before that step)."""
 
     __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon", "plan",
-                 "tok_at", "run_at", "phase_starts", "finish_steps", "_leaving", "_bounds", "_tok", "_finish_counts",
+                 "phases", "phase_starts", "finish_steps", "_leaving", "_bounds", "_finish_counts",
                  "_price", "_num_seqs", "_context_sum", "_starts", "_late", "_bs", "_used", "_t")
 
     def __init__(self, replica: "Replica", plan: SteadyDecode):
@@ -134,9 +134,7 @@ class Span:
         self._bounds = sorted(self._leaving, reverse=True)          # popped from the end
         self.finish_steps = sorted(self._leaving) + ([self.horizon - 1] if self.finishes else [])
         self.phase_starts = [0]
-        self._tok = self.model.tok
-        self.tok_at: list[int] = []
-        self.run_at: list[int] = []
+        self.phases: list[tuple[int, int, int]] = [(0, self._num_seqs, self.model.tok)]
         self._finish_counts: list[int] | None = None     # cumulative requests over finish_steps (lazy)
 
     def extend(self, n: int) -> None:
@@ -145,19 +143,21 @@ class Span:
         starts, late, bs = self._starts, self._late, self._bs
         used, t = self._used, self._t
         used_at, ends, bounds = self.used, self.ends, self._bounds
-        phased = bool(self._leaving)
         while len(ends) < target:
             i0 = len(ends)
             if bounds and i0 == bounds[-1] + 1:
                 # Step i0 - 1 finished sequences: their blocks and tokens leave.
                 f = bounds.pop()
+                first, n, tok = self.phases[-1]
+                tok += (f + 1 - first) * n                 # token states during step f
                 for c, j0 in self._leaving[f]:
                     used -= (c + j0) // bs + ((f - j0) // bs + 1 if j0 <= f else 0)
-                    self._tok -= c + f + 1
+                    tok -= c + f + 1
                     self._context_sum -= c
                     starts[j0] -= 1
                 self._num_seqs -= len(self._leaving[f])
                 self.phase_starts.append(i0)
+                self.phases.append((i0, self._num_seqs, tok))
             end = min(target, bounds[-1] + 1 if bounds else self.horizon)
             num_seqs = self._num_seqs
             durations = self._price(num_seqs, self._context_sum + i0 * num_seqs, end - i0)
@@ -175,13 +175,6 @@ class Span:
                     used_at.append(used)
                     t = t + dt
                     ends.append(t)
-            if phased:
-                tok = self._tok
-                for _ in durations:
-                    tok += num_seqs
-                    self.tok_at.append(tok)
-                self._tok = tok
-                self.run_at += [num_seqs] * len(durations)
             self.durations += durations
         self._used, self._t = used, t
 
@@ -444,9 +437,11 @@ class Replica(SimEngine):
             mem_before = self.memory.w[:4]
             tw = [self._w_running, self._w_waiting, self._w_swapped]
             used_before = self._w_used
-            if span.tok_at:
-                span.model.accumulate_phased(self.memory.w, tw, durations, used_at, span.tok_at, span.run_at, a, b)
-                running = num_seqs = span.run_at[a]
+            if span._leaving:
+                first, num_seqs, tok = span.phases[bisect_right(span.phase_starts, a) - 1]
+                span.model.accumulate_phase(self.memory.w, tw, durations, used_at, a, b, tok + (a - first) * num_seqs,
+                                            num_seqs)
+                running = num_seqs
             else:
                 span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, a, b)
                 num_seqs = span.model.n

@@ -137,20 +137,21 @@ class SpanModel:
         tw[:] = (t_run, t_wait, t_swap)
 
 
-    def accumulate_phased(self, w: list[float], tw: list[float], durations, used_at, tok_at, run_at,
-                          i0: int, k: int) -> None:
-        """`accumulate` for a span that goes on past finishes (paged, nothing waiting or
-        swapped, one sequence per request): per step, its token states `tok_at[i]` and
-        running sequences `run_at[i]` (they drop after a step in which sequences finish),
-        the same products added in the same order as the single engine's span loop."""
+    def accumulate_phase(self, w: list[float], tw: list[float], durations, used_at, i0: int, k: int,
+                         tok: int, n: int) -> None:
+        """`accumulate` for steps i0..k-1 of one phase of a span that goes on past finishes
+        (paged, nothing waiting or swapped, one sequence per request): n sequences run, with
+        `tok` token states before step i0; the same products added in the same order as the
+        single engine's span loop."""
         w0, w1, w2, w3, w4, w5, w6 = w
         t_run, t_wait, t_swap = tw
         bs, used0, free0, total = self.bs, self.used, self.free, self.total
         g = used0 - self.logical                          # logical blocks = used - g
         for i in range(i0, k):
-            dt, used, tok = durations[i], used_at[i], tok_at[i]
+            dt, used = durations[i], used_at[i]
             used_dt = used * dt
-            t_run += run_at[i] * dt
+            t_run += n * dt
+            tok += n
             free = free0 - bs * (used - used0)
             w0 += tok * dt
             w2 += (total - tok - free) * dt
