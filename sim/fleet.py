@@ -439,8 +439,8 @@ class Replica(SimEngine):
             used_before = self._w_used
             if span._leaving:
                 first, num_seqs, tok = span.phases[bisect_right(span.phase_starts, a) - 1]
-                span.model.accumulate_phase(self.memory.w, tw, durations, used_at, a, b, tok + (a - first) * num_seqs,
-                                            num_seqs)
+                span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, a, b,
+                                      (tok + (a - first) * num_seqs, num_seqs))
                 running = num_seqs
             else:
                 span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, a, b)
