@@ -54,7 +54,7 @@ from sim.config import SimConfig
 from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from sim.fitted_cost import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
-from sim.memory import MemoryAccumulator, SpanModel, growth_from_offsets, sample as memory_sample
+from sim.memory import MemoryAccumulator, SpanModel, blocks_at_finish, growth_from_offsets, sample as memory_sample
 from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
 from sim.stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacity_blocks
 from traces import HashedBlockTokens, Trace
@@ -578,7 +578,7 @@ class SimEngine:
         # Terms that are 0 throughout the span add nothing (x + 0.0 == x for these sums of
         # non-negative products): the common case (paged, nothing waiting) skips them.
         lean = not (waiting or swapped or res0 or res_step or ext or late)
-        if bounds and not (lean and not late and num_seqs == running):
+        if bounds and not (lean and num_seqs == running):
             raise RuntimeError("event skipping: a span past finishes needs paged, exclusive blocks and no queue")
         g = used0 - logical0                           # logical blocks = used - g
         phase_start, phase_i = start, 0
@@ -647,12 +647,9 @@ class SimEngine:
                 self._max_used = used
             f = bounds.pop()
             for idx in leaving[f]:
-                seq = plan.seqs[idx]
-                c, j0 = seq.num_computed_tokens, plan.offsets[idx]
-                blocks = (c + j0) // bs + ((f - j0) // bs + 1 if j0 <= f else 0)
-                used -= blocks
-                g_tok = c + f + 1
-                tok -= g_tok
+                c, j0 = plan.seqs[idx].num_computed_tokens, plan.offsets[idx]
+                used -= blocks_at_finish(c, j0, f, bs)
+                tok -= c + f + 1                       # its token states during step f
                 context_sum -= c
                 starts[j0] -= 1
             num_seqs -= len(leaving[f])

@@ -50,7 +50,7 @@ from core.event_skipping import (SteadyDecode, fast_forward, renew_steady_plan,
 from core.metrics import summarize
 from policies import make as make_policy
 from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
-from sim.memory import SpanModel, growth_from_offsets, sample as memory_sample
+from sim.memory import SpanModel, blocks_at_finish, growth_from_offsets, sample as memory_sample
 from traces import Trace
 
 
@@ -151,7 +151,7 @@ class Span:
                 first, n, tok = self.phases[-1]
                 tok += (f + 1 - first) * n                 # token states during step f
                 for c, j0 in self._leaving[f]:
-                    used -= (c + j0) // bs + ((f - j0) // bs + 1 if j0 <= f else 0)
+                    used -= blocks_at_finish(c, j0, f, bs)
                     tok -= c + f + 1
                     self._context_sum -= c
                     starts[j0] -= 1

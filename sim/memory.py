@@ -207,6 +207,14 @@ def block_growth_steps(sched, block_size: int, seqs=None) -> tuple[list[int], di
     return starts, late
 
 
+def blocks_at_finish(cached: int, offset: int, step: int, block_size: int) -> int:
+    """The blocks a paged sequence holds after span step `step` (0-based), when it had
+    `cached` tokens and took its next block at step `offset` (its j0) before the span:
+    what it frees if it finishes in that step."""
+    grown = (step - offset) // block_size + 1 if offset <= step else 0
+    return (cached + offset) // block_size + grown
+
+
 def growth_from_offsets(offsets: list[int], block_size: int) -> tuple[list[int], dict[int, int]]:
     """`block_growth_steps` from the sequences' `KVManager.decode_block_offsets` (their j0)."""
     starts = [0] * block_size
