@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from array import array
 import sys
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -98,7 +98,7 @@ class Span:
     one's first step, running sequences and token states before that step)."""
 
     __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon", "plan",
-                 "phases", "phase_starts", "finish_steps", "_leaving", "_bounds", "_finish_counts",
+                 "phases", "finish_steps", "_leaving", "_bounds", "_finish_counts",
                  "_price", "_num_seqs", "_context_sum", "_starts", "_late", "_bs", "_used", "_t")
 
     def __init__(self, replica: "Replica", plan: SteadyDecode):
@@ -133,7 +133,6 @@ class Span:
                 raise RuntimeError("event skipping: a span past finishes needs paged, exclusive blocks and no queue")
         self._bounds = sorted(self._leaving, reverse=True)          # popped from the end
         self.finish_steps = sorted(self._leaving) + ([self.horizon - 1] if self.finishes else [])
-        self.phase_starts = [0]
         self.phases: list[tuple[int, int, int]] = [(0, self._num_seqs, self.model.tok)]
         self._finish_counts: list[int] | None = None     # cumulative requests over finish_steps (lazy)
 
@@ -156,7 +155,6 @@ class Span:
                     self._context_sum -= c
                     starts[j0] -= 1
                 self._num_seqs -= len(self._leaving[f])
-                self.phase_starts.append(i0)
                 self.phases.append((i0, self._num_seqs, tok))
             end = min(target, bounds[-1] + 1 if bounds else self.horizon)
             num_seqs = self._num_seqs
@@ -431,14 +429,15 @@ class Replica(SimEngine):
         running, waiting, swapped = span.counts
         durations, used_at = span.durations, span.used
         # One timeseries row per phase of the piece (the spans the single engine runs).
-        cuts = [p for p in span.phase_starts if i0 < p < k] + [k]
+        phases = span.phases
+        cuts = [p[0] for p in phases if i0 < p[0] < k] + [k]
         a = i0
         for b in cuts:
             mem_before = self.memory.w[:4]
             tw = [self._w_running, self._w_waiting, self._w_swapped]
             used_before = self._w_used
             if span._leaving:
-                first, num_seqs, tok = span.phases[bisect_right(span.phase_starts, a) - 1]
+                first, num_seqs, tok = next(p for p in reversed(phases) if p[0] <= a)
                 span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, a, b,
                                       (tok + (a - first) * num_seqs, num_seqs))
                 running = num_seqs
