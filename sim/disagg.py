@@ -206,7 +206,7 @@ class PacedReplica(Replica):
                 span.extend(min(horizon - planned, planned))    # doubling chunks
             self._span = None
             k = len(span.ends) if span.cut is None else span.cut
-            self._commit(span, k)
+            self._commit_span(span, k)
             if k < len(span.ends):
                 yield env.timeout(max(0.0, span.end_of(k) - env.now))
             self.clock = span.end_of(k)

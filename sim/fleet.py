@@ -38,19 +38,17 @@ finishes in steps that started before the arrival no longer count (`sync_finishe
 from __future__ import annotations
 
 import math
-from array import array
 import sys
-from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
 from core import Request
-from core.event_skipping import (SteadyDecode, fast_forward, renew_steady_plan,
-                                 schedule_steady_step, update_steady_step)
+from core.event_skipping import fast_forward, renew_steady_plan, schedule_steady_step, update_steady_step
 from core.metrics import summarize
 from policies import make as make_policy
-from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
-from sim.memory import SpanModel, blocks_at_finish, growth_from_offsets, sample as memory_sample
+from sim.engine import _EMPTY_RESULT, CHECK_SPANS, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
+from sim.memory import sample as memory_sample
+from sim.span import Span
 from traces import Trace
 
 
@@ -86,123 +84,6 @@ def span_chunk(span: "Span", a: float) -> int:
     if a == math.inf:
         return left
     return min(left, max(int((a - span.ends[-1]) / span.durations[-1]) + 2, planned))
-
-
-class Span:
-    """A steady-decode span of one replica, planned ahead in growing chunks (step end times
-    and KV blocks in use per step) and committed to the core in order, possibly in pieces.
-
-    A span that goes on past finishes (`SimEngine._past_finishes`) is planned in phases as
-    the single engine runs it: after a step in which sequences finish, the next steps are
-    priced without them and their blocks and tokens leave the accounting (`phases`: each
-    one's first step, running sequences and token states before that step)."""
-
-    __slots__ = ("start", "durations", "ends", "used", "model", "counts", "done", "cut", "horizon", "plan",
-                 "phases", "finish_steps", "_leaving", "_bounds", "_finish_counts",
-                 "_price", "_num_seqs", "_context_sum", "_starts", "_late", "_bs", "_used", "_t")
-
-    def __init__(self, replica: "Replica", plan: SteadyDecode):
-        sched = replica.scheduler
-        self.start = self._t = replica.clock
-        self.plan = plan
-        self.horizon = plan.horizon
-        self._num_seqs, self._context_sum = plan.num_seqs, plan.context_sum
-        self._price = replica.executor.decode_step_times
-        # A sequence with c cached tokens and a table of b blocks takes a new block at steps
-        # j0 = b * block_size - c, j0 + block_size, ... (as sim.engine's span accounting).
-        bs = self._bs = replica.resolved.cache.block_size
-        self._starts, self._late = growth_from_offsets(plan.offsets, bs)
-        self._used = sched.kv.gpu.num_used
-        self.durations: list[float] = []
-        self.ends = array("d")           # each request's token_times extends by a memcpy
-        self.used: list[int] = []
-        self.model = SpanModel(sched, self._num_seqs, self._starts, self._late, plan.offsets)
-        self.counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
-        self.done = 0            # steps already applied to the core
-        self.cut: int | None = None
-        # Steps in which sequences finish before the horizon's last one (past finishes).
-        # step -> (cached tokens, block offset) before the span of each sequence it finishes
-        self._leaving: dict[int, list[tuple[int, int]]] = {}
-        if self.horizon > plan.first_finish:
-            for idx, left in enumerate(plan.lefts):
-                if left < self.horizon:
-                    self._leaving.setdefault(left - 1, []).append((plan.seqs[idx].num_computed_tokens,
-                                                                   plan.offsets[idx]))
-            if self._late or self.counts[1] or self.counts[2] or self.model.reserves or self.model.ext \
-                    or plan.num_seqs != self.counts[0]:
-                raise RuntimeError("event skipping: a span past finishes needs paged, exclusive blocks and no queue")
-        self._bounds = sorted(self._leaving, reverse=True)          # popped from the end
-        self.finish_steps = sorted(self._leaving) + ([self.horizon - 1] if self.finishes else [])
-        self.phases: list[tuple[int, int, int]] = [(0, self._num_seqs, self.model.tok)]
-        self._finish_counts: list[int] | None = None     # cumulative requests over finish_steps (lazy)
-
-    def extend(self, n: int) -> None:
-        """Plan the next n steps (cut spans never price the steps they do not run)."""
-        target = len(self.ends) + n
-        starts, late, bs = self._starts, self._late, self._bs
-        used, t = self._used, self._t
-        used_at, ends, bounds = self.used, self.ends, self._bounds
-        while len(ends) < target:
-            i0 = len(ends)
-            if bounds and i0 == bounds[-1] + 1:
-                # Step i0 - 1 finished sequences: their blocks and tokens leave.
-                f = bounds.pop()
-                first, n, tok = self.phases[-1]
-                tok += (f + 1 - first) * n                 # token states during step f
-                for c, j0 in self._leaving[f]:
-                    used -= blocks_at_finish(c, j0, f, bs)
-                    tok -= c + f + 1
-                    self._context_sum -= c
-                    starts[j0] -= 1
-                self._num_seqs -= len(self._leaving[f])
-                self.phases.append((i0, self._num_seqs, tok))
-            end = min(target, bounds[-1] + 1 if bounds else self.horizon)
-            num_seqs = self._num_seqs
-            durations = self._price(num_seqs, self._context_sum + i0 * num_seqs, end - i0)
-            if late:                                   # contiguous allocation: growth changes mid-span
-                for i, dt in enumerate(durations, i0):
-                    if late and i in late:
-                        starts[i % bs] += late.pop(i)
-                    used += starts[i % bs]
-                    used_at.append(used)
-                    t = t + dt
-                    ends.append(t)
-            else:
-                for i, dt in enumerate(durations, i0):
-                    used += starts[i % bs]
-                    used_at.append(used)
-                    t = t + dt
-                    ends.append(t)
-            self.durations += durations
-        self._used, self._t = used, t
-
-    def requests_finished_before(self, t: float) -> int:
-        """Requests (one sequence each) that finish in the steps not yet committed that start
-        before t. (A span cut by a delivery is committed before the next arrival instant.)"""
-        cum = self._finish_counts
-        if cum is None:
-            counts = {f: len(v) for f, v in self._leaving.items()}
-            if self.finishes:
-                counts[self.horizon - 1] = sum(1 for left in self.plan.lefts if left == self.horizon)
-            cum = [0]                                   # cum[j]: requests finishing in finish_steps[:j]
-            for f in self.finish_steps:
-                cum.append(cum[-1] + counts[f])
-            self._finish_counts = cum
-        steps = self.finish_steps
-        return cum[bisect_left(steps, self.steps_started_before(t))] - cum[bisect_left(steps, self.done)]
-
-    def steps_started_before(self, t: float) -> int:
-        if t <= self.start:
-            return 0
-        return min(len(self.ends), bisect_left(self.ends, t) + 1)
-
-    def end_of(self, k: int) -> float:
-        return self.ends[k - 1] if k else self.start
-
-    @property
-    def finishes(self) -> bool:
-        """Does the span's last step bring sequences to their length limit?"""
-        return self.plan.first_finish <= self.horizon
 
 
 class Replica(SimEngine):
@@ -255,7 +136,7 @@ class Replica(SimEngine):
         """Apply the steps of a pending span that start before t (the router reads KV state)."""
         span = self._span
         if span is not None:
-            self._commit(span, max(span.done, span.steps_started_before(t)))
+            self._commit_span(span, max(span.done, span.steps_started_before(t)), last=False)
 
     def sync_finishes(self, t: float) -> None:
         """Let the router count outstanding requests as of t, as step by step (where a
@@ -273,7 +154,7 @@ class Replica(SimEngine):
             if f < span.done:
                 return
             if f < len(span.ends) and span.end_of(f) < t:
-                self._commit(span, f + 1)
+                self._commit_span(span, f + 1, last=False)
                 return
 
     def deliver(self, request: Request, now: float) -> None:
@@ -342,7 +223,7 @@ class Replica(SimEngine):
                 else:
                     k = span.cut
                 self._span = None
-                self._commit(span, k)
+                self._commit_span(span, k)
                 self.clock = span.end_of(k)
                 # A span that ends in finishes is followed at once by the next one.
                 self._span_due = k == span.horizon and span.finishes
@@ -419,55 +300,35 @@ class Replica(SimEngine):
         self._span = span
         return True
 
-    def _commit(self, span: Span, k: int) -> None:
-        """Apply steps [span.done, k) to the core, with their time-weighted accounting
-        (summed in step order, as the single engine does)."""
+
+    def _commit_span(self, span: Span, k: int, last: bool = True) -> None:
+        """Apply steps [span.done, k) of a planned span: their accounting (`Span.account`),
+        then the core (`fast_forward`: tokens, token times, blocks, finishes). `last`: no
+        later piece of this span will be committed."""
         i0 = span.done
         if k <= i0:
             return
         sched = self.scheduler
-        running, waiting, swapped = span.counts
-        durations, used_at = span.durations, span.used
-        # One timeseries row per phase of the piece (the spans the single engine runs).
-        phases = span.phases
-        cuts = [p[0] for p in phases if i0 < p[0] < k] + [k]
-        a = i0
-        for b in cuts:
-            mem_before = self.memory.w[:4]
-            tw = [self._w_running, self._w_waiting, self._w_swapped]
-            used_before = self._w_used
-            if span._leaving:
-                first, num_seqs, tok = next(p for p in reversed(phases) if p[0] <= a)
-                span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, a, b,
-                                      (tok + (a - first) * num_seqs, num_seqs))
-                running = num_seqs
-            else:
-                span.model.accumulate(self.memory.w, tw, span.counts, durations, used_at, a, b)
-                num_seqs = span.model.n
-            piece_used = self._w_used - used_before
-            self._w_running, self._w_waiting, self._w_swapped = tw
-            if used_at[b - 1] > self._max_used:
-                self._max_used = used_at[b - 1]
-            t0 = span.end_of(a)
-            length = span.end_of(b) - t0
-            mem_means = [(x - y) / length for x, y in zip(self.memory.w[:4], mem_before)]
-            self.timeseries.append((t0, length, b - a, piece_used / length, running, waiting, swapped,
-                                    num_seqs, num_seqs, 0, *mem_means))
-            a = b
-        ex = self.executor
-        result = fast_forward(sched, k - i0, span.ends[i0:k], ex.token_ids, span.plan, ex.extend_tokens)
-        # Sequences that finished at the piece's last step gave their blocks back (the
-        # planned usage counts those of earlier steps as gone).
-        shrunk = k - 1 in span.finish_steps
-        # The plan still describes the running set (its steps counted), less what finished.
+        span.account(self, k)
+        if not last:
+            span.keep_cached_tokens()
         plan = span.plan
-        self._steady = renew_steady_plan(sched, plan, True, past_finishes=self._past_finishes) \
-            if plan.first_finish <= plan.applied else plan
-        if sched.kv.gpu.num_used != used_at[k - 1] and not (shrunk and sched.kv.gpu.num_used < used_at[k - 1]):
-            raise RuntimeError(f"replica {self.index}: KV usage {sched.kv.gpu.num_used} after a span, "
-                               f"expected {used_at[k - 1]}")
+        result = fast_forward(sched, k - i0, span.ends[i0:k], self.executor.token_ids, plan,
+                              self.executor.extend_tokens)
+        # Sequences that finished in the last step gave their blocks back (the cursor
+        # counts those of earlier steps as gone).
+        finished_last = span.finishes_in(k - 1)
+        used, expected = sched.kv.gpu.num_used, span.blocks_in_use
+        if used != expected and not (finished_last and used < expected):
+            raise RuntimeError(f"event skipping: KV usage {used} after {k} span steps, expected {expected}")
+        if CHECK_SPANS and not finished_last and memory_sample(sched) != span.sample_after():
+            raise RuntimeError(f"event skipping: memory breakdown {memory_sample(sched)} after {k} span steps, "
+                               f"expected {span.sample_after()}")   # the state now = the span's last step
         span.done = k
         self.num_steps += k - i0
+        # The plan still describes the running set (its steps counted), less what finished.
+        if plan.first_finish <= plan.applied:
+            self._steady = renew_steady_plan(sched, plan, True, past_finishes=self._past_finishes)
         self._finish(result.finished)
 
 

@@ -87,62 +87,6 @@ class SpanModel:
         return tok, res, internal, self.ext, free, used, self.logical + used - self.used
 
 
-    def accumulate(self, w: list[float], tw: list[float], counts: tuple[int, int, int], durations, used_at,
-                   i0: int, k: int, phase: tuple[int, int] | None = None) -> None:
-        """Add steps i0..k-1 of the span to the memory integrals `w` (MemoryAccumulator.w)
-        and to tw = [running, waiting, swapped] request-seconds: the same products, added in
-        the same order, as `w += at(i, used_at[i]) * durations[i]` (and
-        `tw += counts * durations[i]`) step by step (bit-identical), without building
-        a tuple per step. Terms that stay 0 are skipped (x + 0.0 == x for these sums of
-        non-negative products). `phase` = (token states before step i0, sequences running):
-        steps of a later phase of a span that goes on past finishes (one sequence per
-        request, nothing waiting), where fewer sequences run than when the span began."""
-        w0, w1, w2, w3, w4, w5, w6 = w
-        t_run, t_wait, t_swap = tw
-        running, waiting, swapped = counts
-        n, bs, used0, ext = self.n, self.bs, self.used, self.ext
-        res0, free0, total = self.res, self.free, self.total
-        g = used0 - self.logical                          # logical blocks = used - g
-        if phase is None:
-            tok = self.tok + i0 * n
-        else:
-            tok, n = phase
-            running = n
-        res_step = n if self.reserves else 0
-        res = res0 - i0 * res_step
-        if not (waiting or swapped or res0 or res_step or ext):
-            for i in range(i0, k):
-                dt, used = durations[i], used_at[i]
-                used_dt = used * dt
-                t_run += running * dt
-                tok += n
-                free = free0 - bs * (used - used0)
-                w0 += tok * dt
-                w2 += (total - tok - free) * dt
-                w4 += free * dt
-                w5 += used_dt
-                w6 += (used - g) * dt
-        else:
-            for i in range(i0, k):
-                dt, used = durations[i], used_at[i]
-                used_dt = used * dt
-                t_run += running * dt
-                t_wait += waiting * dt
-                t_swap += swapped * dt
-                tok += n
-                res -= res_step
-                free = free0 - bs * (used - used0)
-                w0 += tok * dt
-                w1 += res * dt
-                w2 += (total - tok - res - ext - free) * dt
-                w3 += ext * dt
-                w4 += free * dt
-                w5 += used_dt
-                w6 += (used - g) * dt
-        w[:] = (w0, w1, w2, w3, w4, w5, w6)
-        tw[:] = (t_run, t_wait, t_swap)
-
-
 class MemoryAccumulator:
     """Time integrals (value x seconds) of each sample field, added step by step."""
 
