@@ -582,8 +582,9 @@ def test_a_table_with_bad_knots_is_refused():
 # ----------------------------------------------------------------------------- served calibration
 
 def _served_rows(factor_of, n: int = 240, noise: float = 0.05, seed: int = 0) -> list[tuple]:
-    """Calibration rows (phase, seqs, predicted, measured): measured = predicted x
-    factor_of(phase, seqs), with multiplicative noise."""
+    """Calibration rows (phase, seqs, tokens, predicted, measured): measured = predicted x
+    factor_of(phase, seqs, tokens), with multiplicative noise. A prefill step's tokens grow
+    with its predicted time (~4 ms a token: 12-500 tokens)."""
     import random
 
     rng = random.Random(seed)
@@ -592,19 +593,21 @@ def _served_rows(factor_of, n: int = 240, noise: float = 0.05, seed: int = 0) ->
         phase = "prefill" if i % 3 == 0 else "decode"
         seqs = rng.choice((1, 1, 2, 3, 4, 6, 8, 12))
         predicted = rng.uniform(0.05, 2.0) if phase == "prefill" else rng.uniform(0.07, 0.3)
-        rows.append((phase, seqs, predicted, predicted * factor_of(phase, seqs) * (1 + rng.uniform(-noise, noise))))
+        tokens = seqs - 1 + round(predicted / 0.004) if phase == "prefill" else seqs
+        rows.append((phase, seqs, tokens, predicted,
+                     predicted * factor_of(phase, seqs, tokens) * (1 + rng.uniform(-noise, noise))))
     return rows
 
 
 def test_served_scale_recovers_per_phase_factors_and_leaves_a_matching_profile_alone():
     from core.cost_fit import fit_served_scale
 
-    fit = fit_served_scale(_served_rows(lambda phase, seqs: 1.4 if phase == "prefill" else 1.15))
+    fit = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.4 if phase == "prefill" else 1.15))
     assert fit["family"] == "phase"
     assert fit["factors"]["prefill"] == pytest.approx(1.4, rel=0.02)
     assert fit["factors"]["decode"] == pytest.approx(1.15, rel=0.02)
     assert fit["held_out"]["phase"]["total"]["mean"] < 0.02 < fit["held_out"]["none"]["total"]["mean"]
-    same = fit_served_scale(_served_rows(lambda phase, seqs: 1.0))
+    same = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.0))
     assert same["family"] == "none" and same["factors"] == {}
 
 
@@ -614,7 +617,7 @@ def test_served_scale_corrects_a_bias_that_noisy_folds_hide():
     than without, and `none` was chosen; the pooled held-out total shows the bias."""
     from core.cost_fit import fit_served_scale
 
-    fit = fit_served_scale(_served_rows(lambda phase, seqs: 1.1, n=60, noise=0.3))
+    fit = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.1, n=60, noise=0.3))
     held = fit["held_out"]
     assert held["none"]["total"]["mean"] < held["phase"]["total"]["mean"]      # what hid it
     assert held["phase"]["pooled"] < 0.02 < held["none"]["pooled"]
@@ -625,12 +628,12 @@ def test_served_scale_corrects_a_bias_that_noisy_folds_hide():
 def test_served_scale_finds_a_gap_that_depends_on_the_batch_size():
     from core.cost_fit import fit_served_scale, served_factor
 
-    def gap(phase, seqs):           # small multi-sequence decodes cost more served; single and large ones not
+    def gap(phase, seqs, tokens):           # small multi-sequence decodes cost more served; single and large ones not
         return 1.5 if phase == "decode" and 2 <= seqs <= 4 else 1.0
     fit = fit_served_scale(_served_rows(gap, n=400))
     assert fit["family"] == "phase+batch"
     for seqs, want in ((1, 1.0), (3, 1.5), (8, 1.0), (12, 1.0)):
-        assert served_factor(fit["factors"], "decode", seqs) == pytest.approx(want, rel=0.03)
+        assert served_factor(fit["factors"], "decode", seqs, seqs) == pytest.approx(want, rel=0.03)
     with pytest.raises(ValueError, match="at least 2"):
         fit_served_scale(_served_rows(gap, n=1))
 
@@ -754,7 +757,7 @@ def test_calibrate_serves_a_disjoint_slice_and_fits_the_served_steps(tiny, tiny_
     model = json.loads(out.read_text())
     check_model(model)
     served = model["served"]
-    assert set(served["held_out"]) == {"none", "phase", "phase+batch"} and served["family"] in served["held_out"]
+    assert set(served["held_out"]) == {"none", "phase", "phase+batch", "phase+size"} and served["family"] in served["held_out"]
     from core.step_log import load_log
 
     _, arrivals, steps, finishes = load_log(str(out) + ".runs/real1.steps.jsonl")
@@ -802,7 +805,7 @@ def test_served_scale_prices_a_mix_unlike_the_calibration_runs_by_its_own_batch_
     of mostly 1-sequence decodes 20% high; the per-stratum held-out error shows it."""
     from core.cost_fit import fit_served_scale, served_factor
 
-    def gap(phase, seqs):
+    def gap(phase, seqs, tokens):
         return 1.0 if phase == "decode" and seqs == 1 else 1.25
     rows = _served_rows(gap, n=240, noise=0.1)
     fit = fit_served_scale(rows)
@@ -810,9 +813,9 @@ def test_served_scale_prices_a_mix_unlike_the_calibration_runs_by_its_own_batch_
     assert held["phase"]["pooled"] <= held["phase+batch"]["pooled"]          # what hid it
     assert held["phase"]["strata"]["mean"] > 1.3 * held["phase+batch"]["strata"]["mean"]
     assert fit["family"] == "phase+batch"
-    assert served_factor(fit["factors"], "decode", 1) == pytest.approx(1.0, rel=0.06)
-    assert served_factor(fit["factors"], "decode", 3) == pytest.approx(1.25, rel=0.06)
-    same = fit_served_scale(_served_rows(lambda phase, seqs: 1.2, n=240, noise=0.1))
+    assert served_factor(fit["factors"], "decode", 1, 1) == pytest.approx(1.0, rel=0.06)
+    assert served_factor(fit["factors"], "decode", 3, 3) == pytest.approx(1.25, rel=0.06)
+    same = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.2, n=240, noise=0.1))
     assert same["family"] == "phase"                  # no gap between batch sizes: the simpler family
 
 
