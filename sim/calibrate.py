@@ -31,7 +31,7 @@ from core.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
 
 DEFAULT_SKIP = 100          # calibration requests start here: past every validation slice in the README
-DEFAULT_LOADS = ["0.5:10", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
+DEFAULT_LOADS = ["0.5:30", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
 
 
 def parse_load(text: str) -> dict:
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="write the calibrated cost model here (JSON)")
     p.add_argument("--load", type=parse_load, action="append", metavar="RATE:N[:ENGINE ARGS]",
                    help="a calibration run: N requests at RATE req/s, optional `realexec serve` flags; "
-                        "repeat for several loads (default: 0.5:10 and 4:20:--num-gpu-blocks 40 --max-num-seqs 8)")
+                        "repeat for several loads (default: 0.5:30 and 4:20:--num-gpu-blocks 40 --max-num-seqs 8)")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP, metavar="K",
                    help="leave out the trace's first K requests (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="arrival seed (default: %(default)s)")

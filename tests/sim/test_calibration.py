@@ -638,6 +638,79 @@ def test_served_scale_finds_a_gap_that_depends_on_the_batch_size():
         fit_served_scale(_served_rows(gap, n=1))
 
 
+def _by_size(phase, seqs, tokens):
+    """Served prefills cost more over the profile the bigger they are, whatever their batch
+    size (what served SmolLM2 showed for few-hundred-token prompts); decodes 1.1x."""
+    if phase == "decode":
+        return 1.1
+    return 1.0 if tokens <= 64 else 1.15 if tokens <= 256 else 1.5
+
+
+def _held_out_error(factors: dict, rows) -> float:
+    """Per phase and prefill-size bucket, |predicted - measured| seconds summed, over all
+    measured seconds: how far a simulated clock drifts on each kind of step."""
+    from core.cost_fit import prefill_size_bucket, served_factor
+
+    diff: dict[str, float] = {}
+    for phase, seqs, tokens, predicted, measured in rows:
+        key = phase + (prefill_size_bucket(tokens) if phase == "prefill" else "")
+        diff[key] = diff.get(key, 0.0) + predicted * served_factor(factors, phase, seqs, tokens) - measured
+    return sum(map(abs, diff.values())) / sum(r[4] for r in rows)
+
+
+def test_served_scale_buckets_prefills_by_size_when_their_cost_grows_with_it():
+    """The light load's p90 TTFT is one 438-token prefill with one decode beside it: priced
+    by a factor fitted on prefills of its batch size, mostly small ones, it comes out short.
+    A served cost that grows with the prefill's tokens picks the size-bucketed family, which
+    predicts other runs' rows (another seed) better than the batch-size family does."""
+    from core.cost_fit import fit_served_scale, served_factor, served_factors
+
+    rows = _served_rows(_by_size, n=400)
+    fit = fit_served_scale(rows)
+    held = fit["held_out"]
+    assert fit["family"] == "phase+size"
+    assert held["phase+size"]["strata"]["mean"] < 0.6 * held["phase+batch"]["strata"]["mean"]
+    assert served_factor(fit["factors"], "prefill", 2, 438) == pytest.approx(1.5, rel=0.03)
+    assert served_factor(fit["factors"], "prefill", 2, 40) == pytest.approx(1.0, rel=0.03)
+    assert served_factor(fit["factors"], "decode", 3, 3) == pytest.approx(1.1, rel=0.03)
+    other = _served_rows(_by_size, n=300, seed=7)             # rows of other runs, never fitted on
+    by_batch = served_factors(rows, "phase+batch")
+    assert _held_out_error(fit["factors"], other) < 0.02 < 0.05 < _held_out_error(by_batch, other)
+    assert served_factor(by_batch, "prefill", 2, 438) < 1.35      # the short price the light load's p90 got
+
+
+def test_served_scale_keeps_batch_buckets_when_prefill_cost_follows_the_batch_not_the_size():
+    """The converse: small multi-sequence steps cost more served (what 2-4-sequence decode
+    and prefill steps showed), whatever the prefill's size: the batch-size family wins and
+    the size family, which cannot see it, is not chosen."""
+    from core.cost_fit import fit_served_scale
+
+    def by_batch(phase, seqs, tokens):
+        return 1.45 if 2 <= seqs <= 4 else 1.0
+    fit = fit_served_scale(_served_rows(by_batch, n=400))
+    held = fit["held_out"]
+    assert fit["family"] == "phase+batch"
+    assert held["phase+batch"]["strata"]["mean"] < 0.6 * held["phase+size"]["strata"]["mean"]
+
+
+def test_a_calibrated_model_scales_prefills_by_their_size_bucket():
+    from core.cost_fit import PREFILL_TOKEN_BUCKETS
+
+    factors = {"prefill": 1.2, "prefill:tokens<=64": 1.05, "prefill:tokens>256": 1.6, "decode": 1.1,
+               "decode:<=1": 1.02}
+    model = dict(_bumpy_model(), served={"factors": factors})
+    check_model(model)
+    ev, grid = StepCostEvaluator(model), StepCostEvaluator(_bumpy_model())
+    assert PREFILL_TOKEN_BUCKETS == (64, 256)
+    for seqs, tokens, want in ((1, 64, 1.05), (2, 65, 1.2), (2, 256, 1.2), (2, 257, 1.6), (8, 438, 1.6),
+                               (1, 1, 1.02), (3, 3, 1.1)):
+        shape = (seqs, tokens, 100, 100 * tokens + tokens)
+        assert ev.step_time(*shape) == pytest.approx(want * grid.step_time(*shape)), (seqs, tokens)
+    for key in ("prefill:tokens<=100", "decode:tokens>256"):
+        with pytest.raises(ValueError, match="unknown factor key"):
+            check_model(dict(_bumpy_model(), served={"factors": {key: 1.1}}))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40), st.integers(0, 3000), st.integers(0, 20),
        st.floats(0.5, 3.0), st.floats(0.5, 3.0), st.floats(0.5, 3.0))
@@ -743,6 +816,74 @@ def test_twin_tables_refuses_a_calibration_slice_that_overlaps_validation(capsys
         main(["--calibration-skip", "5", "--profile", str(tmp_path / "missing.json"), "--out", str(tmp_path / "t")])
     assert "overlaps the validation slices" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()
+
+
+def test_twin_tables_slice_sizes_apply_to_both_slices_and_are_checked(capsys, tmp_path):
+    from sim.rounds import CALIBRATION, VALIDATION, Slot
+    from sim.twin_tables import main, parse_sizes, serve_args
+
+    assert parse_sizes([]) == {"light": 30, "queueing": 20}
+    sizes = parse_sizes(["light=12", "queueing=7", "light=25"])          # the last one wins
+    assert sizes == {"light": 25, "queueing": 7}
+    for role, skip, seed in ((CALIBRATION, 100, 1), (VALIDATION, 0, 0)):
+        a = serve_args(Slot(role, "light", 1), "t.json", 100, sizes)
+        assert (a.num_requests, a.rate, a.skip, a.seed, a.engine_args) == (25, 0.5, skip, seed, "")
+    q = serve_args(Slot(VALIDATION, "queueing", 0), "t.json", 100)
+    assert (q.num_requests, q.rate) == (20, 4.0) and "--num-gpu-blocks 40" in q.engine_args
+    for bad, match in (("heavy=3", "unknown scenario 'heavy'"), ("light=x", "expected SCENARIO=N"),
+                       ("light", "expected SCENARIO=N"), ("light=0", "must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            parse_sizes([bad])
+    for argv, match in ((["--num-requests", "light=150"], "overlaps the validation slices"),
+                        (["--num-requests", "light=-2"], "must be >= 1")):
+        with pytest.raises(SystemExit):          # refused before anything is profiled or served
+            main(argv + ["--profile", str(tmp_path / "missing.json"), "--out", str(tmp_path / "t")])
+        assert match in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def _spread_report(round_errors: list[float], late_error: float = 0.5, n: int = 30) -> dict:
+    """A twin_tables report whose real runs are all alike and whose round r predicts each
+    of its first 10 requests' latencies (1 + round_errors[r]) x the real ones, and the
+    later requests' (1 + late_error) x; one request of each run failed."""
+    real = [(0.1 + 0.01 * i, 0.05 + 0.001 * (i % 7), 1.0 + 0.1 * i) for i in range(n)]
+    real[3] = None
+    rounds = []
+    for e in round_errors:
+        sim = [None if x is None else tuple(v * (1 + (e if i < 10 else late_error)) for v in x)
+               for i, x in enumerate(real)]
+        rounds.append({"latencies": {"real": real, "sim": sim}})
+    return {"rounds": rounds}
+
+
+def test_twin_spread_recomputes_a_sessions_error_over_its_first_requests_and_its_rounds(tmp_path, capsys):
+    from sim.twin_spread import METRICS, main, session_errors, spread
+
+    a, b = _spread_report([0.02, -0.12, 0.04]), _spread_report([0.0, 0.03, -0.09])
+    for k in (5, 10):
+        ones = session_errors(a, k, 1)
+        assert [e["p90_ttft"] for e in ones] == pytest.approx([0.02, -0.12, 0.04])
+        assert all(e[m] == pytest.approx(ones[i]["median_tpot"]) for i, e in enumerate(ones) for m in METRICS)
+        (three,) = session_errors(a, k, 3)
+        assert three["median_e2el"] == pytest.approx((0.02 - 0.12 + 0.04) / 3)      # all real runs alike
+    assert len(session_errors(a, 10, 2)) == 3
+    assert all(e["p90_e2el"] > 0.15 for e in session_errors(a, 30, 1))             # later requests: +50%
+    s = spread([a, b], 10, 1)["p90_ttft"]
+    errs = [0.02, -0.12, 0.04, 0.0, 0.03, -0.09]
+    assert s["n"] == 6 and s["max"] == pytest.approx(0.12)
+    assert s["rms"] == pytest.approx((sum(e * e for e in errs) / 6) ** 0.5)
+    assert s["met"] == pytest.approx(5 / 6) and spread([a, b], 10, 1)["median_ttft"]["met"] == pytest.approx(4 / 6)
+    for name, rep in (("s1", a), ("s2", b)):
+        (tmp_path / name / "light").mkdir(parents=True)
+        (tmp_path / name / "light" / "report.json").write_text(json.dumps(rep))
+    assert main([str(tmp_path / "s1"), str(tmp_path / "s2"), "--scenarios", "light"]) == 0
+    out = capsys.readouterr().out
+    assert "**light** (2 sessions)" in out and "| 30 | 3 | 2 |" in out and "| 20 | 2 | 6 |" in out
+    (tmp_path / "old" / "light").mkdir(parents=True)
+    (tmp_path / "old" / "light" / "report.json").write_text(json.dumps({"rounds": [{"errors": {}}]}))
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "old"), "--scenarios", "light"])
+    assert "no per-request latencies" in capsys.readouterr().err
 
 
 def test_calibrate_serves_a_disjoint_slice_and_fits_the_served_steps(tiny, tiny_profile, tmp_path):
@@ -929,6 +1070,12 @@ def test_interleaved_rounds_track_a_host_that_drifts_and_sequential_ones_do_not(
         assert abs(inter["errors"]["sim vs mean"][k]) < 0.01
         assert abs(inter["errors"]["calibrated once vs mean"][k]) > 0.1
     assert (tmp_path / "interleaved" / "light" / "round2.png").exists()
+    from sim.validate import first_requests_stats
+    for r, entry in enumerate(inter["rounds"]):          # the stored per-request latencies are the reported ones
+        for side, stats in (("real", inter["real"][r]), ("sim", inter["sim"][r])):
+            again = first_requests_stats(entry["latencies"][side], inter["num_requests"])
+            assert inter["num_requests"] == len(entry["latencies"][side]) == 3
+            assert again == pytest.approx({k: v for k, v in stats.items() if k != "output_throughput"})
 
     seq, _, _ = _rounds_on_a_drifting_host(tmp_path / "sequential", "sequential", drift)
     tpot = [entry["errors"]["median_tpot"] for entry in seq["rounds"]]
