@@ -11,7 +11,8 @@ mean of those rounds' predictions against the mean of their real runs, each over
 first k requests). Printed per metric: the root mean square and the largest |error| over
 all sessions and choices (what one session reports, typically and at worst), and the
 share of them that meet the issue's target. Reads each session's <scenario>/report.json
-(per-request latencies, written by twin_tables); serves and simulates nothing.
+(per-request latencies, written by twin_tables); serves and simulates nothing. Also prints
+each session's error and the pooled one (all sessions' rounds together).
 """
 from __future__ import annotations
 
@@ -70,6 +71,26 @@ def table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pooled_table(names: list[str], reports: list[dict]) -> str:
+    """Per metric each session's error (its rounds' mean prediction against its real runs'
+    mean) and the pooled one (every round's prediction against every real run), each with
+    the real runs' noise (largest distance from their mean; pooled, it holds the drift
+    between sessions)."""
+    from sim.validate import mean_stats, rel_errors, run_noise
+
+    cols = [(n, r["sim"], r["real"]) for n, r in zip(names, reports)]
+    cols.append((f"pooled, {sum(len(r['real']) for r in reports)} rounds",
+                 [s for r in reports for s in r["sim"]], [x for r in reports for x in r["real"]]))
+    lines = ["| metric | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---|" * len(cols)]
+    for m in ["output_throughput"] + METRICS:
+        cells = []
+        for _, sim, real in cols:
+            err, noise = rel_errors(mean_stats(sim), mean_stats(real))[m], run_noise(real)[m]
+            cells.append(f"{err * 100:+.1f}% ({noise * 100:.1f})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.twin_spread", description=__doc__.split("\n\n")[0])
     p.add_argument("sessions", nargs="+", metavar="DIR", help="twin_tables output folders")
@@ -89,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"**{name}** ({len(reports)} sessions): a session's error over its runs' first k requests and r of "
               f"its rounds, rms / largest |error| over sessions and choices of rounds (share within the target)\n")
         print(table(reports) + "\n")
+        print(f"**{name}**: error of the mean prediction against the mean real run (noise: the real runs' largest "
+              f"distance from their mean, %)\n")
+        print(pooled_table([Path(d).name for d in args.sessions], reports) + "\n")
     return 0
 
 

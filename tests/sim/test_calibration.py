@@ -848,12 +848,16 @@ def _spread_report(round_errors: list[float], late_error: float = 0.5, n: int = 
     later requests' (1 + late_error) x; one request of each run failed."""
     real = [(0.1 + 0.01 * i, 0.05 + 0.001 * (i % 7), 1.0 + 0.1 * i) for i in range(n)]
     real[3] = None
-    rounds = []
+    from sim.validate import first_requests_stats
+
+    rounds, stats = [], {"real": [], "sim": []}
     for e in round_errors:
         sim = [None if x is None else tuple(v * (1 + (e if i < 10 else late_error)) for v in x)
                for i, x in enumerate(real)]
         rounds.append({"latencies": {"real": real, "sim": sim}})
-    return {"rounds": rounds}
+        for side, lat in (("real", real), ("sim", sim)):
+            stats[side].append(dict(first_requests_stats(lat, n), output_throughput=10.0))
+    return {"rounds": rounds, **stats}
 
 
 def test_twin_spread_recomputes_a_sessions_error_over_its_first_requests_and_its_rounds(tmp_path, capsys):
@@ -879,6 +883,7 @@ def test_twin_spread_recomputes_a_sessions_error_over_its_first_requests_and_its
     assert main([str(tmp_path / "s1"), str(tmp_path / "s2"), "--scenarios", "light"]) == 0
     out = capsys.readouterr().out
     assert "**light** (2 sessions)" in out and "| 30 | 3 | 2 |" in out and "| 20 | 2 | 6 |" in out
+    assert "| metric | s1 | s2 | pooled, 6 rounds |" in out and "| output_throughput | +0.0% (0.0) |" in out
     (tmp_path / "old" / "light").mkdir(parents=True)
     (tmp_path / "old" / "light" / "report.json").write_text(json.dumps({"rounds": [{"errors": {}}]}))
     with pytest.raises(SystemExit):
