@@ -677,6 +677,20 @@ def test_served_scale_buckets_prefills_by_size_when_their_cost_grows_with_it():
     by_batch = served_factors(rows, "phase+batch")
     assert _held_out_error(fit["factors"], other) < 0.02 < 0.05 < _held_out_error(by_batch, other)
     assert served_factor(by_batch, "prefill", 2, 40) > 1.25       # small prefills priced like the big ones
+    # The per-stratum error sees a mispricing that cancels within a batch bucket: in every
+    # batch size half the prefill seconds are small prompts (served 1.0x) and half big ones
+    # (1.5x); a factor per batch bucket (1.25x) gets each bucket's total right and every
+    # prefill 20% wrong: 7.5 of the rows' 54 seconds.
+    balanced = []
+    for i in range(300):
+        j = i // 3
+        if i % 3 == 0:
+            balanced.append(("prefill", 1 + j % 3, 40 if j % 2 else 400, 0.3, 0.3 if j % 2 else 0.45))
+        else:
+            balanced.append(("decode", 1 + i % 4, 1 + i % 4, 0.075, 0.0825))
+    held = fit_served_scale(balanced)["held_out"]
+    assert held["phase+batch"]["strata"]["mean"] == pytest.approx(7.5 / 54, rel=0.15)
+    assert held["phase+size"]["strata"]["mean"] < 0.01
 
 
 def test_served_scale_keeps_batch_buckets_when_prefill_cost_follows_the_batch_not_the_size():
