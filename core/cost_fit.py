@@ -14,8 +14,9 @@ The richest family adds a table over the token count (bumps on the profiled coun
 TABLE_FAMILY), still linear in its coefficients.
 
 A served calibration (`fit_served_scale`, section "served") scales the whole step by a
-measured served/profiled ratio per phase (or phase and batch-size or prefill-size bucket); a "client"
-section holds the delays a streaming client adds to the first and last token.
+measured served/profiled ratio per phase (or phase and batch-size or prefill-size
+bucket); a "client" section holds the delays a streaming client adds to the first and
+last token.
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
@@ -511,7 +512,8 @@ def _check_served(served, where: str) -> None:
     if not isinstance(factors, dict):
         raise ValueError(f"{where}: served: needs a 'factors' object (phase or phase:bucket -> scale)")
     keys = set(PHASES) | {f"{p}:{b}" for p in PHASES for b in [f"<={h}" for h in BATCH_BUCKETS] + [f">{BATCH_BUCKETS[-1]}"]}
-    keys |= {f"prefill:tokens{b}" for b in [f"<={h}" for h in PREFILL_TOKEN_BUCKETS] + [f">{PREFILL_TOKEN_BUCKETS[-1]}"]}
+    keys |= {f"prefill:tokens{b}"
+             for b in [f"<={h}" for h in PREFILL_TOKEN_BUCKETS] + [f">{PREFILL_TOKEN_BUCKETS[-1]}"]}
     for key, f in factors.items():
         if key not in keys:
             raise ValueError(f"{where}: served: unknown factor key {key!r} (phase, phase:<=N / phase:>N "

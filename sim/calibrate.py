@@ -9,8 +9,8 @@ command serves a calibration slice of the trace (`--skip` requests in, another a
 seed: keep it disjoint from any validation slice) at one or more loads, through the same
 `realexec serve --step-log` + `realexec bench serve` runs as `sim validate`, and writes a
 copy of the profile with two more sections:
-  * `served`: per phase (or phase and batch-size or prefill-size bucket) the ratio of the logged steps'
-    seconds to the profile's prediction for the same shapes; the family is chosen by
+  * `served`: per phase (or phase and batch-size or prefill-size bucket) the ratio of the
+    logged steps' seconds to the profile's prediction for the same shapes; the family is chosen by
     k-fold held-out error of the total time (`core.cost_fit.fit_served_scale`), printed;
   * `client`: the median extra seconds between the engine making a request's first / last
     token (measured from when the request reached the server) and the client receiving
@@ -79,8 +79,8 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> li
         if key not in s:
             raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
-        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, evaluator.grid_step_time(seqs, tokens, context, pairs),
-                               s[key]))
+        predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
+        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, s[key]))
     return rows
 
 

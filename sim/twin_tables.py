@@ -70,7 +70,8 @@ def parse_sizes(texts: list[str]) -> dict[str, int]:
     return sizes
 
 
-def serve_args(slot: Slot, trace: str, calibration_skip: int, sizes: dict[str, int] | None = None) -> argparse.Namespace:
+def serve_args(slot: Slot, trace: str, calibration_skip: int,
+               sizes: dict[str, int] | None = None) -> argparse.Namespace:
     """`run_real`'s arguments for a slot: the scenario's load and engine flags, on the
     calibration slice (requests from `calibration_skip`, seed 1) or the validation one,
     both of `sizes[scenario]` requests (default: the scenario's)."""
