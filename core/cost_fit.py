@@ -14,8 +14,9 @@ The richest family adds a table over the token count (bumps on the profiled coun
 TABLE_FAMILY), still linear in its coefficients.
 
 A served calibration (`fit_served_scale`, section "served") scales the whole step by a
-measured served/profiled ratio per phase (or phase and batch-size bucket); a "client"
-section holds the delays a streaming client adds to the first and last token.
+measured served/profiled ratio per phase (or phase and batch-size or prefill-size
+bucket); a "client" section holds the delays a streaming client adds to the first and
+last token.
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 FORMAT = "twinserve-step-cost"
 VERSION = 2
@@ -323,11 +324,29 @@ def scaled_model(model: dict, factor: float) -> dict:
 # streaming on the other core, shapes changing every step, decode batches of mixed context
 # lengths) cost more CPU for the same batch sums (SmolLM2 on CPU: 1.1-1.4x, most for small
 # batches and prefills). A served calibration measures that ratio on logged served steps
-# and scales the grid model by it: per phase, or per phase and batch-size bucket, the
-# family chosen by held-out error like the step model's.
-SERVED_FAMILIES = ("none", "phase", "phase+batch")
+# and scales the grid model by it: per phase, or per phase and bucket, the family chosen
+# by held-out error like the step model's. Buckets: by batch size ("phase+batch"), or by
+# the step's new tokens ("phase+size": prefill steps by their tokens, so a 438-token
+# prefill is scaled by what big prefills cost served, not by what the small prefills of
+# its batch size cost; decode steps by their tokens, which are their sequences).
+SERVED_FAMILIES = ("none", "phase", "phase+batch", "phase+size")
 BATCH_BUCKETS = (1, 4, 8, 16)            # upper bounds of the batch-size buckets; one more above
+# Upper bounds of the prefill-size buckets (new tokens in the step); one more above. From
+# served runs of SmolLM2 (sessions twin_quiet3/D, E): short prompts and chunks (<= 64),
+# middling prompts, and the few hundred-token prompts `serve` prefills in one step, whose
+# cost grows faster than the profile's line (1.08-1.47x served, run to run).
+PREFILL_TOKEN_BUCKETS = (64, 256)
 MIN_BUCKET_STEPS = 5                     # a bucket with fewer calibration steps uses its phase's factor
+
+
+class ServedStep(NamedTuple):
+    """One logged served step as calibration sees it: its phase and size, the grid model's
+    seconds for its shape and the seconds it took."""
+    phase: str
+    seqs: int
+    tokens: int
+    predicted: float
+    measured: float
 
 
 def batch_bucket(seqs: int) -> str:
@@ -338,19 +357,43 @@ def batch_bucket(seqs: int) -> str:
     return f">{BATCH_BUCKETS[-1]}"
 
 
-def served_factors(rows: Sequence[tuple[str, int, float, float]], family: str) -> dict[str, float]:
-    """Scale factors from calibration rows (phase, seqs, predicted s, measured s): per key,
-    measured over predicted seconds summed (so the factor keeps the total time right, which
-    is what a simulated clock accumulates). Keys: "<phase>" and, for phase+batch,
-    "<phase>:<bucket>" for buckets with at least MIN_BUCKET_STEPS steps."""
+def prefill_size_bucket(tokens: int) -> str:
+    """The size bucket of a prefill step with `tokens` new tokens ("tokens<=64", "tokens>256")."""
+    for hi in PREFILL_TOKEN_BUCKETS:
+        if tokens <= hi:
+            return f"tokens<={hi}"
+    return f"tokens>{PREFILL_TOKEN_BUCKETS[-1]}"
+
+
+def served_key(family: str, phase: str, seqs: int, tokens: int) -> str | None:
+    """A step's bucket key under `family` ("<phase>:<bucket>"); None for the per-phase families."""
+    if family == "phase+batch" or (family == "phase+size" and phase == "decode"):
+        return f"{phase}:{batch_bucket(seqs)}"          # a decode step's tokens are its sequences
+    if family == "phase+size":
+        return f"{phase}:{prefill_size_bucket(tokens)}"
+    return None
+
+
+def _stratum(phase: str, seqs: int, tokens: int) -> str:
+    """The finest cell both bucketings split steps into: the per-stratum held-out error
+    judges every family on the same cells."""
+    key = f"{phase}:{batch_bucket(seqs)}"
+    return key + (f":{prefill_size_bucket(tokens)}" if phase == "prefill" else "")
+
+
+def served_factors(rows: Sequence[ServedStep], family: str) -> dict[str, float]:
+    """Scale factors from calibration rows: per key, measured over predicted seconds summed
+    (so the factor keeps the total time right, which is what a simulated clock
+    accumulates). Keys: "<phase>" and, for the bucketed families, "<phase>:<bucket>" for
+    buckets with at least MIN_BUCKET_STEPS steps."""
     if family not in SERVED_FAMILIES:
         raise ValueError(f"served calibration family must be one of {SERVED_FAMILIES}, got {family!r}")
     if family == "none":
         return {}
     sums: dict[str, list[float]] = {}
-    for phase, seqs, predicted, measured in rows:
-        keys = [phase] + ([f"{phase}:{batch_bucket(seqs)}"] if family == "phase+batch" else [])
-        for key in keys:
+    for phase, seqs, tokens, predicted, measured in rows:
+        bucket = served_key(family, phase, seqs, tokens)
+        for key in [phase] + ([bucket] if bucket else []):
             acc = sums.setdefault(key, [0.0, 0.0, 0])
             acc[0] += predicted
             acc[1] += measured
@@ -359,25 +402,32 @@ def served_factors(rows: Sequence[tuple[str, int, float, float]], family: str) -
             if p > 0 and (":" not in key or n >= MIN_BUCKET_STEPS)}
 
 
-def served_factor(factors: dict[str, float], phase: str, seqs: int) -> float:
+def served_factor(factors: dict[str, float], phase: str, seqs: int, tokens: int) -> float:
+    """The factor a step gets: its prefill-size bucket's, else its batch bucket's, else its
+    phase's, else 1 (a fitted set holds one family's keys)."""
+    if phase == "prefill":
+        sized = factors.get(f"prefill:{prefill_size_bucket(tokens)}")
+        if sized is not None:
+            return sized
     return factors.get(f"{phase}:{batch_bucket(seqs)}", factors.get(phase, 1.0))
 
 
-def fit_served_scale(rows: Sequence[tuple[str, int, float, float]], k: int = 5, seed: int = 0) -> dict:
-    """Choose and fit the served scale from calibration rows (phase, seqs, predicted s by
-    the grid model, measured s on the served engine). Per family, k-fold held-out: the
-    relative error of each held-out fold's total time (`total`: how well the steps' mix is
-    priced), of all held-out predictions' sum (`pooled`: the bias a simulated clock
-    accumulates over the whole run; a few long steps make single folds noisy, which can hide
-    a bias every fold shares), of each held-out fold's totals per stratum (`strata`: per
-    phase and batch-size bucket the predicted minus the measured seconds, their absolute
-    values summed over the fold's measured seconds: what a run with another mix of batch
-    sizes would see; one factor per phase prices the calibration runs' mix right but can
-    misprice a scenario of mostly 1-sequence decodes) and of single steps (`step`). The
-    simplest family within SIMPLER_TOLERANCE (relative) or half a percentage point of the
-    best pooled error, and among those of the best per-stratum error, wins (else the
-    simplest near the best pooled error)."""
-    rows = [tuple(r) for r in rows]
+def fit_served_scale(rows: Sequence[Sequence], k: int = 5, seed: int = 0) -> dict:
+    """Choose and fit the served scale from calibration rows (ServedStep: phase, seqs,
+    tokens, predicted s by the grid model, measured s on the served engine). Per family,
+    k-fold held-out: the relative error of each held-out fold's total time (`total`: how
+    well the steps' mix is priced), of all held-out predictions' sum (`pooled`: the bias a
+    simulated clock accumulates over the whole run; a few long steps make single folds
+    noisy, which can hide a bias every fold shares), of each held-out fold's totals per
+    stratum (`strata`: per phase, batch-size bucket and, for prefills, size bucket the
+    predicted minus the measured seconds, their absolute values summed over the fold's
+    measured seconds: what a run with another mix of batch sizes or prompt lengths would
+    see; one factor per phase prices the calibration runs' mix right but can misprice a
+    scenario of mostly 1-sequence decodes) and of single steps (`step`). The simplest
+    family within SIMPLER_TOLERANCE (relative) or half a percentage point of the best
+    pooled error, and among those of the best per-stratum error, wins (else the simplest
+    near the best pooled error)."""
+    rows = [ServedStep(*r) for r in rows]
     if len(rows) < 2:
         raise ValueError(f"served calibration needs at least 2 logged steps, got {len(rows)}")
     report = {}
@@ -386,12 +436,13 @@ def fit_served_scale(rows: Sequence[tuple[str, int, float, float]], k: int = 5, 
         pooled_pred = pooled_meas = 0.0
         for train, held in _splits(len(rows), k, seed):
             factors = served_factors([rows[i] for i in train], family)
-            pred = [rows[i][2] * served_factor(factors, rows[i][0], rows[i][1]) for i in held]
-            meas = [rows[i][3] for i in held]
+            pred = [rows[i].predicted * served_factor(factors, rows[i].phase, rows[i].seqs, rows[i].tokens)
+                    for i in held]
+            meas = [rows[i].measured for i in held]
             totals.append(abs(sum(pred) - sum(meas)) / sum(meas))
             by_stratum: dict[str, float] = {}
             for i, p, m in zip(held, pred, meas):
-                key = f"{rows[i][0]}:{batch_bucket(rows[i][1])}"
+                key = _stratum(rows[i].phase, rows[i].seqs, rows[i].tokens)
                 by_stratum[key] = by_stratum.get(key, 0.0) + p - m
             strata.append(sum(abs(d) for d in by_stratum.values()) / sum(meas))
             steps += relative_errors(pred, meas)
@@ -461,10 +512,13 @@ def _check_served(served, where: str) -> None:
     if not isinstance(factors, dict):
         raise ValueError(f"{where}: served: needs a 'factors' object (phase or phase:bucket -> scale)")
     keys = set(PHASES) | {f"{p}:{b}" for p in PHASES for b in [f"<={h}" for h in BATCH_BUCKETS] + [f">{BATCH_BUCKETS[-1]}"]}
+    keys |= {f"prefill:tokens{b}"
+             for b in [f"<={h}" for h in PREFILL_TOKEN_BUCKETS] + [f">{PREFILL_TOKEN_BUCKETS[-1]}"]}
     for key, f in factors.items():
         if key not in keys:
-            raise ValueError(f"{where}: served: unknown factor key {key!r} (phase, or phase:<=N / phase:>N "
-                             f"with N in {BATCH_BUCKETS})")
+            raise ValueError(f"{where}: served: unknown factor key {key!r} (phase, phase:<=N / phase:>N "
+                             f"with N in {BATCH_BUCKETS}, or prefill:tokens<=N / prefill:tokens>N with N in "
+                             f"{PREFILL_TOKEN_BUCKETS})")
         if not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
             raise ValueError(f"{where}: served: factor {key!r} must be finite and > 0, got {f!r}")
 
@@ -511,7 +565,7 @@ class StepCostEvaluator:
         """Seconds of one step: the grid model, scaled by the served calibration if any."""
         t = self.grid_step_time(seqs, tokens, context, pairs)
         if self._served and seqs > 0:
-            t *= served_factor(self._served, phase_of(seqs, tokens), seqs)
+            t *= served_factor(self._served, phase_of(seqs, tokens), seqs, tokens)
         return t
 
     def grid_step_time(self, seqs: int, tokens: int, context: int, pairs: int) -> float:

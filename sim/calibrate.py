@@ -9,8 +9,8 @@ command serves a calibration slice of the trace (`--skip` requests in, another a
 seed: keep it disjoint from any validation slice) at one or more loads, through the same
 `realexec serve --step-log` + `realexec bench serve` runs as `sim validate`, and writes a
 copy of the profile with two more sections:
-  * `served`: per phase (or phase and batch-size bucket) the ratio of the logged steps'
-    seconds to the profile's prediction for the same shapes; the family is chosen by
+  * `served`: per phase (or phase and batch-size or prefill-size bucket) the ratio of the
+    logged steps' seconds to the profile's prediction for the same shapes; the family is chosen by
     k-fold held-out error of the total time (`core.cost_fit.fit_served_scale`), printed;
   * `client`: the median extra seconds between the engine making a request's first / last
     token (measured from when the request reached the server) and the client receiving
@@ -25,13 +25,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from core.cost_fit import (StepCostEvaluator, check_model, fit_served_scale, phase_of, shape_of,
+from core.cost_fit import (ServedStep, StepCostEvaluator, check_model, fit_served_scale, phase_of, shape_of,
                            summarize_errors)
 from core.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
 
 DEFAULT_SKIP = 100          # calibration requests start here: past every validation slice in the README
-DEFAULT_LOADS = ["0.5:10", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
+DEFAULT_LOADS = ["0.5:30", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
 
 
 def parse_load(text: str) -> dict:
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="write the calibrated cost model here (JSON)")
     p.add_argument("--load", type=parse_load, action="append", metavar="RATE:N[:ENGINE ARGS]",
                    help="a calibration run: N requests at RATE req/s, optional `realexec serve` flags; "
-                        "repeat for several loads (default: 0.5:10 and 4:20:--num-gpu-blocks 40 --max-num-seqs 8)")
+                        "repeat for several loads (default: 0.5:30 and 4:20:--num-gpu-blocks 40 --max-num-seqs 8)")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP, metavar="K",
                    help="leave out the trace's first K requests (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="arrival seed (default: %(default)s)")
@@ -67,9 +67,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reuse-real", action="store_true", help="fit on the runs already in --work")
 
 
-def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> list[tuple[str, int, float, float]]:
-    """(phase, seqs, grid model's prediction, logged seconds) per logged step: CPU seconds
-    of the stepping thread for a CPU-basis profile, else wall seconds."""
+def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> list[ServedStep]:
+    """(phase, seqs, tokens, grid model's prediction, logged seconds) per logged step: CPU
+    seconds of the stepping thread for a CPU-basis profile, else wall seconds."""
     key = "cpu_s" if basis == "cpu" else "step_s"
     rows = []
     for s in steps:
@@ -79,7 +79,8 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> li
         if key not in s:
             raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
-        rows.append((phase_of(seqs, tokens), seqs, evaluator.grid_step_time(seqs, tokens, context, pairs), s[key]))
+        predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
+        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, s[key]))
     return rows
 
 
@@ -130,13 +131,15 @@ def format_report(model: dict) -> str:
     served, client = model["served"], model["client"]
     rows = served["rows"]
     lines = [f"served calibration on {served['n']} logged steps "
-             f"(grid model predicts {sum(r[2] for r in rows):.2f}s, logged {sum(r[3] for r in rows):.2f}s):",
+             f"(grid model predicts {sum(r[3] for r in rows):.2f}s, logged {sum(r[4] for r in rows):.2f}s):",
              "held-out relative error (k-fold over the steps): all folds' total | fold total mean | "
-             "single steps median, per family"]
+             "fold strata | single steps median, per family"]
     for fam, e in served["held_out"].items():
         mark = "*" if fam == served["family"] else " "
+        strata = e.get("strata", {}).get("mean", float("nan"))
         lines.append(f"  {mark} {fam:12s} pooled {e.get('pooled', float('nan')) * 100:5.1f}% | total "
-                     f"{e['total']['mean'] * 100:5.1f}% | step median {e['step']['median'] * 100:5.1f}%  (n={e['step']['n']})")
+                     f"{e['total']['mean'] * 100:5.1f}% | per stratum {strata * 100:5.1f}% | step median "
+                     f"{e['step']['median'] * 100:5.1f}%  (n={e['step']['n']})")
     lines.append("factors: " + (", ".join(f"{k} x{v:.3f}" for k, v in sorted(served["factors"].items())) or "none"))
     lines.append(f"client delay (median over {client['n']} requests): first token +{client['first_token_s'] * 1e3:.1f} ms, "
                  f"last token +{client['last_token_s'] * 1e3:.1f} ms after the engine made it")

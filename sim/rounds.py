@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from core.cost_fit import fit_served_scale, served_factor
+from core.cost_fit import ServedStep, fit_served_scale, served_factor
 
 DESIGNS = ("interleaved", "sequential")
 CALIBRATION, VALIDATION = "calibration", "validation"
@@ -96,14 +96,14 @@ def calibration_for(slots: Sequence[Slot], target: Slot, pairing: str = "neighbo
     return [slots[i] for i in picked]
 
 
-Rows = Sequence[tuple[str, int, float, float]]          # (phase, seqs, grid prediction s, logged s) per step
+Rows = Sequence[ServedStep]          # (phase, seqs, tokens, grid prediction s, logged s) per step
 
 
 def total_error(fit_rows: Rows, held_rows: Rows) -> float:
     """Signed relative error of the held-out run's total logged seconds when each of its
     steps is priced by the served scale fitted on `fit_rows`."""
     factors = fit_served_scale(fit_rows)["factors"]
-    predicted = sum(p * served_factor(factors, phase, seqs) for phase, seqs, p, _ in held_rows)
+    predicted = sum(p * served_factor(factors, phase, seqs, tokens) for phase, seqs, tokens, p, _ in held_rows)
     measured = sum(m for *_, m in held_rows)
     return (predicted - measured) / measured
 

@@ -1,4 +1,4 @@
-"""`python -m sim.twin_tables`: the twin's error tables in one command (~11 min on 2 idle cores).
+"""`python -m sim.twin_tables`: the twin's error tables in one command (~14 min on 2 idle cores).
 
 1. Profiles the real engine (`python -m realexec profile`, full grid; or takes --profile).
 2. Serves, per scenario, --rounds validation runs (the trace's first requests, arrival
@@ -10,7 +10,8 @@
 3. Predicts every validation run with the profile calibrated (`sim calibrate`'s fit) on
    the calibration runs on either side of it, simulating that run's logged workload, and
    compares with the client's numbers. The scenarios:
-  * light: 10 ShareGPT requests at 0.5 req/s, default engine (no queueing);
+  * light: 30 ShareGPT requests at 0.5 req/s, default engine (no queueing; 30, not 10,
+    so that a p90 is not one request: `sim.twin_spread` measures it);
   * queueing: 20 requests at 4 req/s on 40 KV blocks of 16 tokens and at most 8
     sequences (requests queue, and the KV pool runs out: preemptions).
 Writes `tables.md` (per scenario: the error of the mean prediction against the mean real
@@ -34,7 +35,7 @@ from sim.rounds import (CALIBRATION, DESIGNS, PAIRINGS, VALIDATION, Slot, calibr
 
 # name: (rate, requests, `realexec serve` flags); every scenario caps outputs at MAX_TOKENS
 SCENARIOS = {
-    "light": (0.5, 10, ""),
+    "light": (0.5, 30, ""),
     "queueing": (4.0, 20, "--num-gpu-blocks 40 --max-num-seqs 8"),
 }
 MAX_TOKENS = 16
@@ -53,10 +54,29 @@ def _run(cmd: list[str], log: Path) -> None:
         raise RuntimeError(f"{cmd[2]} failed ({r.returncode}); see {log}")
 
 
-def serve_args(slot: Slot, trace: str, calibration_skip: int) -> argparse.Namespace:
+def parse_sizes(texts: list[str]) -> dict[str, int]:
+    """--num-requests values 'SCENARIO=N' -> {scenario: N} (the scenarios' defaults for the rest)."""
+    sizes = {name: n for name, (_, n, _) in SCENARIOS.items()}
+    for text in texts:
+        name, _, n = text.partition("=")
+        if name not in SCENARIOS:
+            raise ValueError(f"--num-requests {text!r}: unknown scenario {name!r} (one of {', '.join(SCENARIOS)})")
+        try:
+            sizes[name] = int(n)
+        except ValueError:
+            raise ValueError(f"--num-requests {text!r}: expected SCENARIO=N, e.g. light=30") from None
+        if sizes[name] < 1:
+            raise ValueError(f"--num-requests {text!r}: N must be >= 1")
+    return sizes
+
+
+def serve_args(slot: Slot, trace: str, calibration_skip: int,
+               sizes: dict[str, int] | None = None) -> argparse.Namespace:
     """`run_real`'s arguments for a slot: the scenario's load and engine flags, on the
-    calibration slice (requests from `calibration_skip`, seed 1) or the validation one."""
+    calibration slice (requests from `calibration_skip`, seed 1) or the validation one,
+    both of `sizes[scenario]` requests (default: the scenario's)."""
     rate, n, engine = SCENARIOS[slot.scenario]
+    n = (sizes or {}).get(slot.scenario, n)
     cal = slot.role == CALIBRATION
     return argparse.Namespace(trace=trace, rate=rate, num_requests=n, engine_args=engine, max_tokens_cap=MAX_TOKENS,
                               skip=calibration_skip if cal else 0, seed=CALIBRATION_SEED if cal else 0)
@@ -94,12 +114,13 @@ def served_ratio(model: dict, log: Path) -> tuple[float, float]:
     grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
     rows = step_rows(load_log(str(log))[2], grid, model.get("profile", {}).get("time_basis", "wall"))
     factors = model.get("served", {}).get("factors", {})
-    g = sum(r[2] for r in rows)
-    return sum(r[3] for r in rows) / g, sum(p * served_factor(factors, ph, n) for ph, n, p, _ in rows) / g
+    g = sum(r.predicted for r in rows)
+    return (sum(r.measured for r in rows) / g,
+            sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in rows) / g)
 
 
 def session_rows(slots: list[Slot], runs: dict, profile: dict):
-    """slot -> its calibration rows (phase, seqs, grid prediction, logged seconds), cached."""
+    """slot -> its calibration rows (ServedStep per logged step), cached."""
     from core.cost_fit import StepCostEvaluator
     from core.step_log import load_log
     from sim.calibrate import step_rows
@@ -124,11 +145,14 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
                     out: Path, pairing: str | None) -> dict:
     """Per validation round of one scenario: the profile calibrated on the calibration runs
     `pairing` names (None: uncalibrated), the simulation of the round's logged workload,
-    the real client's numbers."""
+    the real client's numbers (and per request the real and simulated latencies, in
+    arrival order: `sim.twin_spread` computes statistics over the first requests)."""
+    from core.cost_fit import client_delays
     from core.step_log import load_log
     from sim.calibrate import calibrate
-    from sim.validate import (client_stats, cpu_share, draw, engine_stats, mean_stats, rel_errors, run_noise,
-                              run_sim, workload_from_log)
+    from sim.fitted_cost import load_cost_model_file
+    from sim.validate import (bench_latencies, client_stats, cpu_share, draw, engine_stats, mean_stats, rel_errors,
+                              run_noise, run_sim, sim_latencies, workload_from_log)
 
     out.mkdir(parents=True, exist_ok=True)
     vals = [s for s in slots if s.role == VALIDATION and s.scenario == name]
@@ -158,8 +182,10 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
                          factors=model["served"]["factors"], client=model["client"],
                          validation_ratio=actual, predicted_ratio=priced,
                          calibration_ratios=[served_ratio(model, runs[c][0])[0] for c in fed])
-        stats, sim_e2e, sim_batch, _ = run_sim(config, trace, path, engine["first_visible"])
+        stats, sim_e2e, sim_batch, result = run_sim(config, trace, path, engine["first_visible"])
         sim.append(stats)
+        entry["latencies"] = {"real": bench_latencies(bench), "sim": [lat for _, lat in sim_latencies(
+            result.records, engine["first_visible"], *client_delays(load_cost_model_file(path)))]}
         _, real_e2e = engine_stats(trace, engine)
         draw(out / f"round{v.round}.png", real_e2e, sim_e2e, engine["batch"], sim_batch)
         entry["errors"] = rel_errors(sim[-1], real[-1])
@@ -169,7 +195,8 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     if calibrate_runs:
         errors["calibrated once vs mean"] = rel_errors(mean_stats(once), real_mean)
         errors["uncalibrated vs mean"] = rel_errors(mean_stats(base), real_mean)
-    rate, n, engine_args = SCENARIOS[name]
+    rate, _, engine_args = SCENARIOS[name]
+    n = len(runs[vals[0]][1]["ttfts"])               # the validation slice's requests
     report = {"scenario": name, "rate": rate, "num_requests": n, "engine_args": engine_args,
               "real": real, "sim": sim, "once": once, "uncalibrated": base, "real mean": real_mean,
               "errors": errors, "noise": run_noise(real), "rounds": rounds, "pairing": pairing,
@@ -221,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="use this `realexec profile` output instead of profiling first")
     p.add_argument("--repeats", type=int, default=2, help="profile repeats (default: %(default)s)")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    p.add_argument("--num-requests", action="append", default=[], metavar="SCENARIO=N",
+                   help="requests per run of a scenario, its calibration and validation slices alike (default: "
+                        + ", ".join(f"{k}={v[1]}" for k, v in SCENARIOS.items()) + "); repeatable")
     p.add_argument("--rounds", type=int, default=ROUNDS, help="validation runs per scenario (default: %(default)s)")
     p.add_argument("--design", choices=DESIGNS, default="interleaved",
                    help="interleaved: C0 V0 C1 V1 .. CR per scenario; sequential: every calibration run first "
@@ -237,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                                                              "and simulate again")
     p.add_argument("--out", default="results/twin", help="output folder (default: %(default)s)")
     args = p.parse_args(argv)
-    largest = max(SCENARIOS[name][1] for name in args.scenarios)
+    try:
+        sizes = parse_sizes(args.num_requests)
+    except ValueError as e:
+        p.error(str(e))
+    largest = max(sizes[name] for name in args.scenarios)
     if not args.no_calibration and args.calibration_skip < largest:
         p.error(f"--calibration-skip {args.calibration_skip} overlaps the validation slices "
                 f"(the trace's first {largest} requests)")
@@ -259,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     from sim.validate import run_real
 
     def serve(slot: Slot, folder: Path):
-        return run_real(serve_args(slot, args.trace, args.calibration_skip), folder, 1)
+        return run_real(serve_args(slot, args.trace, args.calibration_skip, sizes), folder, 1)
     runs = serve_all(slots, serve, out / "runs", args.reuse_real)
     pairing, check = (None, {}) if args.no_calibration else pick_pairing(slots, runs, model, args.pairing)
     parts = [f"# twin validation ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, profile {profile}, "

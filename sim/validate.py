@@ -160,6 +160,25 @@ def client_stats(bench: dict) -> dict[str, float]:
     return _stats({"ttft": ttft, "tpot": tpot, "e2el": e2e}, bench["output_throughput"])
 
 
+def bench_latencies(bench: dict) -> list[tuple[float, float | None, float] | None]:
+    """The client's latencies per request of a bench result, in sending order: (ttft, tpot
+    or None for one output token, e2e) seconds, None for a request that failed (for
+    statistics over the first requests of a slice)."""
+    out = []
+    for t, itl, n, err in zip(bench["ttfts"], bench["itls"], bench["output_lens"], bench["errors"]):
+        out.append(None if err or t is None else (t, sum(itl) / (n - 1) if n > 1 else None, t + sum(itl)))
+    return out
+
+
+def first_requests_stats(latencies: list, k: int) -> dict[str, float]:
+    """Median and p90 of TTFT, TPOT and E2E over the first `k` of per-request latencies
+    (`bench_latencies`, `sim_latencies`' values; no throughput)."""
+    head = [x for x in latencies[:k] if x is not None]
+    return {k_: v for k_, v in _stats({"ttft": [x[0] for x in head], "tpot": [x[1] for x in head if x[1] is not None],
+                                       "e2el": [x[2] for x in head]}, float("nan")).items()
+            if k_ != "output_throughput"}
+
+
 def _stats(series: dict[str, list[float]], throughput: float) -> dict[str, float]:
     out = {"output_throughput": throughput}
     for name, values in series.items():
@@ -249,24 +268,32 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
 
     first_delay, last_delay = client_delays(load_cost_model_file(cost_model), cost_model)
     result = simulate(sim_config_from_log(config, cost_model), trace)
-    ttft, tpot, e2e = [], [], {}
-    for r in result.records:
+    done = sim_latencies(result.records, first_visible, first_delay, last_delay)
+    e2e = {rid: lat[2] for rid, lat in done}
+    total_out = sum(r.num_output_tokens for r in result.records)
+    stats = _stats({"ttft": [lat[0] for _, lat in done], "tpot": [lat[1] for _, lat in done if lat[1] is not None],
+                    "e2el": list(e2e.values())}, total_out / result.sim_time)
+    cols = result.TIMESERIES_COLUMNS
+    ti, bi = cols.index("time"), cols.index("batch_size")
+    batch = [(row[ti], row[bi]) for row in result.timeseries]
+    return stats, e2e, batch, result
+
+
+def sim_latencies(records, first_visible: dict[str, int] | None, first_delay: float,
+                  last_delay: float) -> list[tuple[str, tuple[float, float | None, float]]]:
+    """(request id, (ttft, tpot or None, e2e)) per finished simulated request in arrival
+    order, as the client sees them (see `run_sim`)."""
+    out = []
+    for r in sorted(records, key=lambda r: r.arrival_time):
         if r.first_token_time is None or r.finished_time is None:
             continue
         k = (first_visible or {}).get(r.request_id, 0)
         first_time = r.token_times[k] if 0 < k < len(r.token_times) else r.first_token_time
         first = first_time - r.arrival_time + first_delay
         last = r.finished_time - r.arrival_time + last_delay
-        ttft.append(first)
-        e2e[r.request_id] = last
-        if r.num_output_tokens > 1:
-            tpot.append((last - first) / (r.num_output_tokens - 1))
-    total_out = sum(r.num_output_tokens for r in result.records)
-    stats = _stats({"ttft": ttft, "tpot": tpot, "e2el": list(e2e.values())}, total_out / result.sim_time)
-    cols = result.TIMESERIES_COLUMNS
-    ti, bi = cols.index("time"), cols.index("batch_size")
-    batch = [(row[ti], row[bi]) for row in result.timeseries]
-    return stats, e2e, batch, result
+        out.append((r.request_id, (first, (last - first) / (r.num_output_tokens - 1) if r.num_output_tokens > 1
+                                   else None, last)))
+    return out
 
 
 def rel_errors(got: dict[str, float], ref: dict[str, float]) -> dict[str, float]:

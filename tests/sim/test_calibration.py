@@ -582,8 +582,9 @@ def test_a_table_with_bad_knots_is_refused():
 # ----------------------------------------------------------------------------- served calibration
 
 def _served_rows(factor_of, n: int = 240, noise: float = 0.05, seed: int = 0) -> list[tuple]:
-    """Calibration rows (phase, seqs, predicted, measured): measured = predicted x
-    factor_of(phase, seqs), with multiplicative noise."""
+    """Calibration rows (phase, seqs, tokens, predicted, measured): measured = predicted x
+    factor_of(phase, seqs, tokens), with multiplicative noise. A prefill step's tokens grow
+    with its predicted time (~4 ms a token: 12-500 tokens)."""
     import random
 
     rng = random.Random(seed)
@@ -592,19 +593,21 @@ def _served_rows(factor_of, n: int = 240, noise: float = 0.05, seed: int = 0) ->
         phase = "prefill" if i % 3 == 0 else "decode"
         seqs = rng.choice((1, 1, 2, 3, 4, 6, 8, 12))
         predicted = rng.uniform(0.05, 2.0) if phase == "prefill" else rng.uniform(0.07, 0.3)
-        rows.append((phase, seqs, predicted, predicted * factor_of(phase, seqs) * (1 + rng.uniform(-noise, noise))))
+        tokens = seqs - 1 + round(predicted / 0.004) if phase == "prefill" else seqs
+        rows.append((phase, seqs, tokens, predicted,
+                     predicted * factor_of(phase, seqs, tokens) * (1 + rng.uniform(-noise, noise))))
     return rows
 
 
 def test_served_scale_recovers_per_phase_factors_and_leaves_a_matching_profile_alone():
     from core.cost_fit import fit_served_scale
 
-    fit = fit_served_scale(_served_rows(lambda phase, seqs: 1.4 if phase == "prefill" else 1.15))
+    fit = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.4 if phase == "prefill" else 1.15))
     assert fit["family"] == "phase"
     assert fit["factors"]["prefill"] == pytest.approx(1.4, rel=0.02)
     assert fit["factors"]["decode"] == pytest.approx(1.15, rel=0.02)
     assert fit["held_out"]["phase"]["total"]["mean"] < 0.02 < fit["held_out"]["none"]["total"]["mean"]
-    same = fit_served_scale(_served_rows(lambda phase, seqs: 1.0))
+    same = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.0))
     assert same["family"] == "none" and same["factors"] == {}
 
 
@@ -614,7 +617,7 @@ def test_served_scale_corrects_a_bias_that_noisy_folds_hide():
     than without, and `none` was chosen; the pooled held-out total shows the bias."""
     from core.cost_fit import fit_served_scale
 
-    fit = fit_served_scale(_served_rows(lambda phase, seqs: 1.1, n=60, noise=0.3))
+    fit = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.1, n=60, noise=0.3))
     held = fit["held_out"]
     assert held["none"]["total"]["mean"] < held["phase"]["total"]["mean"]      # what hid it
     assert held["phase"]["pooled"] < 0.02 < held["none"]["pooled"]
@@ -625,14 +628,101 @@ def test_served_scale_corrects_a_bias_that_noisy_folds_hide():
 def test_served_scale_finds_a_gap_that_depends_on_the_batch_size():
     from core.cost_fit import fit_served_scale, served_factor
 
-    def gap(phase, seqs):           # small multi-sequence decodes cost more served; single and large ones not
+    def gap(phase, seqs, tokens):           # small multi-sequence decodes cost more served; single and large ones not
         return 1.5 if phase == "decode" and 2 <= seqs <= 4 else 1.0
     fit = fit_served_scale(_served_rows(gap, n=400))
     assert fit["family"] == "phase+batch"
     for seqs, want in ((1, 1.0), (3, 1.5), (8, 1.0), (12, 1.0)):
-        assert served_factor(fit["factors"], "decode", seqs) == pytest.approx(want, rel=0.03)
+        assert served_factor(fit["factors"], "decode", seqs, seqs) == pytest.approx(want, rel=0.03)
     with pytest.raises(ValueError, match="at least 2"):
         fit_served_scale(_served_rows(gap, n=1))
+
+
+def _by_size(phase, seqs, tokens):
+    """Served prefills cost more over the profile the bigger they are, whatever their batch
+    size (what served SmolLM2 showed for few-hundred-token prompts); decodes 1.1x."""
+    if phase == "decode":
+        return 1.1
+    return 1.0 if tokens <= 64 else 1.15 if tokens <= 256 else 1.5
+
+
+def _held_out_error(factors: dict, rows) -> float:
+    """Per phase and prefill-size bucket, |predicted - measured| seconds summed, over all
+    measured seconds: how far a simulated clock drifts on each kind of step."""
+    from core.cost_fit import prefill_size_bucket, served_factor
+
+    diff: dict[str, float] = {}
+    for phase, seqs, tokens, predicted, measured in rows:
+        key = phase + (prefill_size_bucket(tokens) if phase == "prefill" else "")
+        diff[key] = diff.get(key, 0.0) + predicted * served_factor(factors, phase, seqs, tokens) - measured
+    return sum(map(abs, diff.values())) / sum(r[4] for r in rows)
+
+
+def test_served_scale_buckets_prefills_by_size_when_their_cost_grows_with_it():
+    """The light load's p90 TTFT is one 438-token prefill with one decode beside it: priced
+    by a factor fitted on prefills of its batch size, mostly small ones, it comes out short.
+    A served cost that grows with the prefill's tokens picks the size-bucketed family, which
+    predicts other runs' rows (another seed) better than the batch-size family does."""
+    from core.cost_fit import fit_served_scale, served_factor, served_factors
+
+    rows = _served_rows(_by_size, n=400)
+    fit = fit_served_scale(rows)
+    held = fit["held_out"]
+    assert fit["family"] == "phase+size"
+    assert held["phase+size"]["strata"]["mean"] < 0.6 * held["phase+batch"]["strata"]["mean"]
+    assert served_factor(fit["factors"], "prefill", 2, 438) == pytest.approx(1.5, rel=0.03)
+    assert served_factor(fit["factors"], "prefill", 2, 40) == pytest.approx(1.0, rel=0.03)
+    assert served_factor(fit["factors"], "decode", 3, 3) == pytest.approx(1.1, rel=0.03)
+    other = _served_rows(_by_size, n=300, seed=7)             # rows of other runs, never fitted on
+    by_batch = served_factors(rows, "phase+batch")
+    assert _held_out_error(fit["factors"], other) < 0.02 < 0.05 < _held_out_error(by_batch, other)
+    assert served_factor(by_batch, "prefill", 2, 40) > 1.25       # small prefills priced like the big ones
+    # The per-stratum error sees a mispricing that cancels within a batch bucket: in every
+    # batch size half the prefill seconds are small prompts (served 1.0x) and half big ones
+    # (1.5x); a factor per batch bucket (1.25x) gets each bucket's total right and every
+    # prefill 20% wrong: 7.5 of the rows' 54 seconds.
+    balanced = []
+    for i in range(300):
+        j = i // 3
+        if i % 3 == 0:
+            balanced.append(("prefill", 1 + j % 3, 40 if j % 2 else 400, 0.3, 0.3 if j % 2 else 0.45))
+        else:
+            balanced.append(("decode", 1 + i % 4, 1 + i % 4, 0.075, 0.0825))
+    held = fit_served_scale(balanced)["held_out"]
+    assert held["phase+batch"]["strata"]["mean"] == pytest.approx(7.5 / 54, rel=0.15)
+    assert held["phase+size"]["strata"]["mean"] < 0.01
+
+
+def test_served_scale_keeps_batch_buckets_when_prefill_cost_follows_the_batch_not_the_size():
+    """The converse: small multi-sequence steps cost more served (what 2-4-sequence decode
+    and prefill steps showed), whatever the prefill's size: the batch-size family wins and
+    the size family, which cannot see it, is not chosen."""
+    from core.cost_fit import fit_served_scale
+
+    def by_batch(phase, seqs, tokens):
+        return 1.45 if 2 <= seqs <= 4 else 1.0
+    fit = fit_served_scale(_served_rows(by_batch, n=400))
+    held = fit["held_out"]
+    assert fit["family"] == "phase+batch"
+    assert held["phase+batch"]["strata"]["mean"] < 0.6 * held["phase+size"]["strata"]["mean"]
+
+
+def test_a_calibrated_model_scales_prefills_by_their_size_bucket():
+    from core.cost_fit import PREFILL_TOKEN_BUCKETS
+
+    factors = {"prefill": 1.2, "prefill:tokens<=64": 1.05, "prefill:tokens>256": 1.6, "decode": 1.1,
+               "decode:<=1": 1.02}
+    model = dict(_bumpy_model(), served={"factors": factors})
+    check_model(model)
+    ev, grid = StepCostEvaluator(model), StepCostEvaluator(_bumpy_model())
+    assert PREFILL_TOKEN_BUCKETS == (64, 256)
+    for seqs, tokens, want in ((1, 64, 1.05), (2, 65, 1.2), (2, 256, 1.2), (2, 257, 1.6), (8, 438, 1.6),
+                               (1, 1, 1.02), (3, 3, 1.1)):
+        shape = (seqs, tokens, 100, 100 * tokens + tokens)
+        assert ev.step_time(*shape) == pytest.approx(want * grid.step_time(*shape)), (seqs, tokens)
+    for key in ("prefill:tokens<=100", "decode:tokens>256"):
+        with pytest.raises(ValueError, match="unknown factor key"):
+            check_model(dict(_bumpy_model(), served={"factors": {key: 1.1}}))
 
 
 @settings(max_examples=40, deadline=None)
@@ -742,6 +832,79 @@ def test_twin_tables_refuses_a_calibration_slice_that_overlaps_validation(capsys
     assert not (tmp_path / "t").exists()
 
 
+def test_twin_tables_slice_sizes_apply_to_both_slices_and_are_checked(capsys, tmp_path):
+    from sim.rounds import CALIBRATION, VALIDATION, Slot
+    from sim.twin_tables import main, parse_sizes, serve_args
+
+    assert parse_sizes([]) == {"light": 30, "queueing": 20}
+    sizes = parse_sizes(["light=12", "queueing=7", "light=25"])          # the last one wins
+    assert sizes == {"light": 25, "queueing": 7}
+    for role, skip, seed in ((CALIBRATION, 100, 1), (VALIDATION, 0, 0)):
+        a = serve_args(Slot(role, "light", 1), "t.json", 100, sizes)
+        assert (a.num_requests, a.rate, a.skip, a.seed, a.engine_args) == (25, 0.5, skip, seed, "")
+    q = serve_args(Slot(VALIDATION, "queueing", 0), "t.json", 100)
+    assert (q.num_requests, q.rate) == (20, 4.0) and "--num-gpu-blocks 40" in q.engine_args
+    for bad, match in (("heavy=3", "unknown scenario 'heavy'"), ("light=x", "expected SCENARIO=N"),
+                       ("light", "expected SCENARIO=N"), ("light=0", "must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            parse_sizes([bad])
+    for argv, match in ((["--num-requests", "light=150"], "overlaps the validation slices"),
+                        (["--num-requests", "light=-2"], "must be >= 1")):
+        with pytest.raises(SystemExit):          # refused before anything is profiled or served
+            main(argv + ["--profile", str(tmp_path / "missing.json"), "--out", str(tmp_path / "t")])
+        assert match in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def _spread_report(round_errors: list[float], late_error: float = 0.5, n: int = 30) -> dict:
+    """A twin_tables report whose real runs are all alike and whose round r predicts each
+    of its first 10 requests' latencies (1 + round_errors[r]) x the real ones, and the
+    later requests' (1 + late_error) x; one request of each run failed."""
+    real = [(0.1 + 0.01 * i, 0.05 + 0.001 * (i % 7), 1.0 + 0.1 * i) for i in range(n)]
+    real[3] = None
+    from sim.validate import first_requests_stats
+
+    rounds, stats = [], {"real": [], "sim": []}
+    for e in round_errors:
+        sim = [None if x is None else tuple(v * (1 + (e if i < 10 else late_error)) for v in x)
+               for i, x in enumerate(real)]
+        rounds.append({"latencies": {"real": real, "sim": sim}})
+        for side, lat in (("real", real), ("sim", sim)):
+            stats[side].append(dict(first_requests_stats(lat, n), output_throughput=10.0))
+    return {"rounds": rounds, **stats}
+
+
+def test_twin_spread_recomputes_a_sessions_error_over_its_first_requests_and_its_rounds(tmp_path, capsys):
+    from sim.twin_spread import METRICS, main, session_errors, spread
+
+    a, b = _spread_report([0.02, -0.12, 0.04]), _spread_report([0.0, 0.03, -0.09])
+    for k in (5, 10):
+        ones = session_errors(a, k, 1)
+        assert [e["p90_ttft"] for e in ones] == pytest.approx([0.02, -0.12, 0.04])
+        assert all(e[m] == pytest.approx(ones[i]["median_tpot"]) for i, e in enumerate(ones) for m in METRICS)
+        (three,) = session_errors(a, k, 3)
+        assert three["median_e2el"] == pytest.approx((0.02 - 0.12 + 0.04) / 3)      # all real runs alike
+    assert len(session_errors(a, 10, 2)) == 3
+    assert all(e["p90_e2el"] > 0.15 for e in session_errors(a, 30, 1))             # later requests: +50%
+    s = spread([a, b], 10, 1)["p90_ttft"]
+    errs = [0.02, -0.12, 0.04, 0.0, 0.03, -0.09]
+    assert s["n"] == 6 and s["max"] == pytest.approx(0.12)
+    assert s["rms"] == pytest.approx((sum(e * e for e in errs) / 6) ** 0.5)
+    assert s["met"] == pytest.approx(5 / 6) and spread([a, b], 10, 1)["median_ttft"]["met"] == pytest.approx(4 / 6)
+    for name, rep in (("s1", a), ("s2", b)):
+        (tmp_path / name / "light").mkdir(parents=True)
+        (tmp_path / name / "light" / "report.json").write_text(json.dumps(rep))
+    assert main([str(tmp_path / "s1"), str(tmp_path / "s2"), "--scenarios", "light"]) == 0
+    out = capsys.readouterr().out
+    assert "**light** (2 sessions)" in out and "| 30 | 3 | 2 |" in out and "| 20 | 2 | 6 |" in out
+    assert "| metric | s1 | s2 | pooled, 6 rounds |" in out and "| output_throughput | +0.0% (0.0) |" in out
+    (tmp_path / "old" / "light").mkdir(parents=True)
+    (tmp_path / "old" / "light" / "report.json").write_text(json.dumps({"rounds": [{"errors": {}}]}))
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "old"), "--scenarios", "light"])
+    assert "no per-request latencies" in capsys.readouterr().err
+
+
 def test_calibrate_serves_a_disjoint_slice_and_fits_the_served_steps(tiny, tiny_profile, tmp_path):
     prof, _ = tiny_profile
     out = tmp_path / "calibrated.json"
@@ -754,7 +917,8 @@ def test_calibrate_serves_a_disjoint_slice_and_fits_the_served_steps(tiny, tiny_
     model = json.loads(out.read_text())
     check_model(model)
     served = model["served"]
-    assert set(served["held_out"]) == {"none", "phase", "phase+batch"} and served["family"] in served["held_out"]
+    assert set(served["held_out"]) == {"none", "phase", "phase+batch", "phase+size"}
+    assert served["family"] in served["held_out"]
     from core.step_log import load_log
 
     _, arrivals, steps, finishes = load_log(str(out) + ".runs/real1.steps.jsonl")
@@ -802,7 +966,7 @@ def test_served_scale_prices_a_mix_unlike_the_calibration_runs_by_its_own_batch_
     of mostly 1-sequence decodes 20% high; the per-stratum held-out error shows it."""
     from core.cost_fit import fit_served_scale, served_factor
 
-    def gap(phase, seqs):
+    def gap(phase, seqs, tokens):
         return 1.0 if phase == "decode" and seqs == 1 else 1.25
     rows = _served_rows(gap, n=240, noise=0.1)
     fit = fit_served_scale(rows)
@@ -810,9 +974,9 @@ def test_served_scale_prices_a_mix_unlike_the_calibration_runs_by_its_own_batch_
     assert held["phase"]["pooled"] <= held["phase+batch"]["pooled"]          # what hid it
     assert held["phase"]["strata"]["mean"] > 1.3 * held["phase+batch"]["strata"]["mean"]
     assert fit["family"] == "phase+batch"
-    assert served_factor(fit["factors"], "decode", 1) == pytest.approx(1.0, rel=0.06)
-    assert served_factor(fit["factors"], "decode", 3) == pytest.approx(1.25, rel=0.06)
-    same = fit_served_scale(_served_rows(lambda phase, seqs: 1.2, n=240, noise=0.1))
+    assert served_factor(fit["factors"], "decode", 1, 1) == pytest.approx(1.0, rel=0.06)
+    assert served_factor(fit["factors"], "decode", 3, 3) == pytest.approx(1.25, rel=0.06)
+    same = fit_served_scale(_served_rows(lambda phase, seqs, tokens: 1.2, n=240, noise=0.1))
     assert same["family"] == "phase"                  # no gap between batch sizes: the simpler family
 
 
@@ -926,6 +1090,12 @@ def test_interleaved_rounds_track_a_host_that_drifts_and_sequential_ones_do_not(
         assert abs(inter["errors"]["sim vs mean"][k]) < 0.01
         assert abs(inter["errors"]["calibrated once vs mean"][k]) > 0.1
     assert (tmp_path / "interleaved" / "light" / "round2.png").exists()
+    from sim.validate import first_requests_stats
+    for r, entry in enumerate(inter["rounds"]):          # the stored per-request latencies are the reported ones
+        for side, stats in (("real", inter["real"][r]), ("sim", inter["sim"][r])):
+            again = first_requests_stats(entry["latencies"][side], inter["num_requests"])
+            assert inter["num_requests"] == len(entry["latencies"][side]) == 3
+            assert again == pytest.approx({k: v for k, v in stats.items() if k != "output_throughput"})
 
     seq, _, _ = _rounds_on_a_drifting_host(tmp_path / "sequential", "sequential", drift)
     tpot = [entry["errors"]["median_tpot"] for entry in seq["rounds"]]
