@@ -77,7 +77,7 @@ class PacedReplica(Replica):
     def deliver(self, request: Request, now: float) -> None:
         """Take `request` at time `now` (the exact arrival time; SimPy's clock is `now` up to
         rounding): it enters at this replica's next step boundary."""
-        self.sync(now)
+        self.sync(now, last=True)
         self.inbox.append(request)
         self.served.append(request.user_data)
         span = self._span

@@ -29,7 +29,8 @@ end with the step in which sequences reach their length limit (the next span fol
 once). A replica does not know whether the next arrival is its own: a span is planned to
 cover the next arrival and kept pending while the router sends requests elsewhere (its
 plan then grows, at least doubling), and it is cut short (`Span.cut`) when a request is
-routed to it. So a replica pays for its own arrivals and finishes only, plus a constant
+routed to it. Planning only prices steps and stamps their end times; their accounting
+(blocks, memory integrals) runs once, when they are committed (`sim.span`). So a replica pays for its own arrivals and finishes only, plus a constant
 per arrival instant, and a fleet of N replicas costs about N single replicas serving 1/N
 of the load each; routers that read KV state add one partial commit per replica and
 arrival. Other routers still see finishes as of each arrival: the requests a pending span
@@ -132,11 +133,12 @@ class Replica(SimEngine):
         kv = self.scheduler.kv
         return len(kv.find_cached_prefix(request.seqs[0])) * kv.block_size if kv.enable_prefix_caching else 0
 
-    def sync(self, t: float) -> None:
-        """Apply the steps of a pending span that start before t (the router reads KV state)."""
+    def sync(self, t: float, last: bool = False) -> None:
+        """Apply the steps of a pending span that start before t (the router reads KV state;
+        `last`: a delivery, which cuts the span there)."""
         span = self._span
         if span is not None:
-            self._commit_span(span, max(span.done, span.steps_started_before(t)), last=False)
+            self._commit_span(span, max(span.done, span.steps_started_before(t)), last=last)
 
     def sync_finishes(self, t: float) -> None:
         """Let the router count outstanding requests as of t, as step by step (where a
@@ -160,7 +162,7 @@ class Replica(SimEngine):
     def deliver(self, request: Request, now: float) -> None:
         """Take `request` at time `now` (its exact arrival time): it enters at this
         replica's next step boundary (a pending span stops at the step in progress)."""
-        self.sync(now)
+        self.sync(now, last=True)
         self.inbox.append(request)
         self.served.append(request.user_data)
         span = self._span
