@@ -24,17 +24,19 @@ own clock as the single engine does, and stops at the first step boundary at or 
 idle, or inside a span. (sim.disagg adds KV transfers, events between arrivals, and runs
 its replicas as SimPy processes under the same rules.)
 
-Cost. Replicas skip steady decode spans as the single engine does, spans included that
-end with the step in which sequences reach their length limit (the next span follows at
-once). A replica does not know whether the next arrival is its own: a span is planned to
-cover the next arrival and kept pending while the router sends requests elsewhere (its
-plan then grows, at least doubling), and it is cut short (`Span.cut`) when a request is
-routed to it. Planning only prices steps and stamps their end times; their accounting
-(blocks, memory integrals) runs once, when they are committed (`sim.span`). So a replica pays for its own arrivals and finishes only, plus a constant
-per arrival instant, and a fleet of N replicas costs about N single replicas serving 1/N
-of the load each; routers that read KV state add one partial commit per replica and
-arrival. Other routers still see finishes as of each arrival: the requests a pending span
-finishes in steps that started before the arrival no longer count (`sync_finishes`).
+Cost. Replicas skip steady decode spans as the single engine does, spans included that end
+with the step in which sequences reach their length limit (the next span follows at once). A
+replica does not know whether the next arrival is its own: a span is planned to cover the
+next arrival and kept pending while the router sends requests elsewhere (its plan then grows
+to the next arrival, by at least a quarter), and it is cut short (`Span.cut`) when a request
+is routed to it. Planning only prices steps and stamps their end times; their accounting
+(blocks, memory integrals) runs once, when they are committed (`sim.span`). So a replica
+pays for its own arrivals and finishes only, plus a constant per arrival instant, and a
+fleet of N replicas costs about N single replicas serving 1/N of the load each, plus the
+router's look at every replica at every arrival (measured in README's Speed); routers that
+read KV state add one partial commit per replica and arrival. Other routers still see
+finishes as of each arrival: the requests a pending span finishes in steps that started
+before the arrival no longer count (`sync_finishes`).
 """
 from __future__ import annotations
 
@@ -74,7 +76,9 @@ class FleetConfig:
 
 # Steps a replica plans when a span starts: those that start before the fleet's next
 # arrival (the estimate as in sim.engine), at least MIN_CHUNK; while the router sends
-# requests elsewhere, the plan grows to the next arrival, at least doubling (`span_chunk`).
+# requests elsewhere, the plan grows to the next arrival, by at least a quarter
+# (`span_chunk`: planning past a cut only prices steps, so a small overshoot beats many
+# small extensions).
 MIN_CHUNK = 8
 
 
@@ -84,7 +88,7 @@ def span_chunk(span: "Span", a: float) -> int:
     left = span.horizon - planned
     if a == math.inf:
         return left
-    return min(left, max(int((a - span.ends[-1]) / span.durations[-1]) + 2, planned))
+    return min(left, max(int((a - span.ends[-1]) / span.durations[-1]) + 2, planned // 4))
 
 
 class Replica(SimEngine):
