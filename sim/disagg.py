@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import simpy
 
-from core import Request, SamplingParams
+from core import Request, RequestStatus, SamplingParams
 from core.event_skipping import steady_decode_plan
 from core.metrics import RequestRecord
 from sim.engine import _EMPTY_RESULT, ResolvedConfig, SimConfig, resolve
@@ -207,9 +207,13 @@ class PacedReplica(Replica):
             self._span = None
             k = len(span.ends) if span.cut is None else span.cut
             self._commit_span(span, k)
-            if k < len(span.ends):
-                yield env.timeout(max(0.0, span.end_of(k) - env.now))
-            self.clock = span.end_of(k)
+            # Wait for the end of the last committed step, also when it is the last planned
+            # one: an interrupt (a KV transfer reserving blocks here) wakes this process before
+            # that step ends, and what happens meanwhile (a delivery) must be seen at its end.
+            end = span.end_of(k)
+            if end > env.now:
+                yield env.timeout(end - env.now)
+            self.clock = end
             if self.after_step is not None:
                 self.after_step(self)
             if k < horizon or not span.finishes:
@@ -294,6 +298,11 @@ class DisaggFleet(Fleet):
         for r in self.prefill:
             r.records = self.first_half
             r.max_tokens = [1] * n
+            # A prefill replica never decodes, so a span there is never more than one step,
+            # and only one kind: a prefill whose last chunk is one token looks like a decode
+            # to the steady-decode plan. That step must run as a normal step: the KV hold
+            # for the transfer is taken before a normal step's update (`before_update`).
+            r.event_skipping = False
             r.before_update = self._prefill_before_update(r)
             r._finish = self._prefill_finish(r, r._finish)
         for r in self.decode:
@@ -381,6 +390,10 @@ class DisaggFleet(Fleet):
             for request in requests:
                 blocks = self._holds.pop(request.request_id, None)
                 if blocks is None:               # rejected, or a one-token request: done here
+                    if request.status is not RequestStatus.FINISHED_REJECTED and \
+                            self.out_lens[request.user_data] > 1:
+                        raise RuntimeError(f"request {request.request_id} finished its prefill on replica "
+                                           f"{replica.index} without its KV held for the transfer")
                     continue
                 seq = request.finished_seqs[0]
                 t = Transfer(request.user_data, replica, blocks, list(seq.token_ids), request.metrics.finished_time)
@@ -398,6 +411,8 @@ class DisaggFleet(Fleet):
     def _send(self, t: Transfer):
         env = self.env
         yield env.timeout(max(0.0, t.ready - env.now))
+        for d in self.decode:
+            d.sync(t.ready)                               # free blocks as of now, pending spans included
         target = max(self.decode, key=lambda d: (d.scheduler.kv.gpu.num_free - self._queued_blocks(d), -d.index))
         t.target = target
         target.queue.append(t)

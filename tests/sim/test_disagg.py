@@ -56,10 +56,12 @@ def tiny_trace(lens: list[tuple[int, int]], gap: float) -> Trace:
 
 @settings(max_examples=min(settings().max_examples, 300))   # each example is a fleet simulation
 @given(st.lists(st.tuples(st.integers(1, 700), st.integers(1, 60)), min_size=1, max_size=25),
-       st.sampled_from([0.0, 0.01, 0.1]), st.integers(1, 2), st.integers(1, 2), st.sampled_from(list(LINKS)))
-def test_disaggregation_conserves_requests_and_blocks(lens, gap, p, d, link):
+       st.sampled_from([0.0, 0.01, 0.1]), st.integers(1, 2), st.integers(1, 2), st.sampled_from(list(LINKS)),
+       st.sampled_from([None, 64, 100]))
+def test_disaggregation_conserves_requests_and_blocks(lens, gap, p, d, link, chunk):
+    # chunk: the prefill token budget; small ones split prompts into chunked prefills
     trace = tiny_trace(lens, gap)
-    fleet, result = run(DisaggConfig(SMALL, p, d, link), trace)
+    fleet, result = run(DisaggConfig(replace(SMALL, max_num_batched_tokens=chunk), p, d, link), trace)
     check_invariants(fleet, result, trace)
 
 
@@ -115,3 +117,32 @@ def test_decode_replica_waits_for_a_prefill_still_running(skipping):
     trace = tiny_trace([(338, 1), (1, 2)], 0.01)
     fleet, result = run(DisaggConfig(replace(SMALL, event_skipping=skipping), 1, 1, "nvlink"), trace)
     check_invariants(fleet, result, trace)
+
+
+@pytest.mark.parametrize("skipping", [True, False])
+def test_a_last_prefill_chunk_of_one_token_is_transferred(skipping):
+    """Regression (`--disaggregate 2:2` on 2,000 Azure conv requests lost vidur-1654, a
+    4,097-token prompt under a 2,048-token budget): a prefill whose last chunk is one token
+    looks like a decode to the steady-decode plan, so the prefill replica ran that chunk as
+    a one-step span, which finished the request without holding its KV for the transfer."""
+    chunk = 64
+    trace = tiny_trace([(2 * chunk + 1, 5), (chunk + 1, 3), (chunk, 4), (1, 2)], 1.0)   # one at a time
+    config = replace(SMALL, max_num_batched_tokens=chunk, event_skipping=skipping)
+    fleet, result = run(DisaggConfig(config, 1, 1, "nvlink"), trace)
+    check_invariants(fleet, result, trace)
+
+
+@pytest.mark.parametrize("split", [(1, 1), (2, 2), (1, 3)])
+def test_event_skipping_changes_nothing_under_staggered_arrivals(split):
+    """Regressions, found on real traces: (1) a decode span cut by a transfer reserving
+    blocks ran its next step ahead of the shared clock, before a delivery due earlier; (2)
+    a transfer picked its decode replica by free blocks without committing pending spans
+    there. Either made records depend on event skipping."""
+    trace = retime(load_trace(ROOT / "traces" / "sharegpt.json"), rate=20.0, num_requests=150)
+    p, d = split
+    runs = [run(DisaggConfig(replace(SMALL, num_gpu_blocks=None, max_num_seqs=256, event_skipping=s), p, d, "pcie"),
+                trace) for s in (True, False)]
+    (fa, ra), (fb, rb) = runs
+    check_invariants(fa, ra, trace)
+    assert [t.target.index for t in fa.transfers] == [t.target.index for t in fb.transfers]
+    assert ra.records == rb.records
