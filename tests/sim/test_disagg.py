@@ -58,11 +58,14 @@ def tiny_trace(lens: list[tuple[int, int]], gap: float) -> Trace:
 @given(st.lists(st.tuples(st.integers(1, 700), st.integers(1, 60)), min_size=1, max_size=25),
        st.sampled_from([0.0, 0.01, 0.1]), st.integers(1, 2), st.integers(1, 2), st.sampled_from(list(LINKS)),
        st.sampled_from([None, 64, 100]))
-def test_disaggregation_conserves_requests_and_blocks(lens, gap, p, d, link, chunk):
+def test_disaggregation_conserves_requests_and_blocks_with_or_without_skipping(lens, gap, p, d, link, chunk):
     # chunk: the prefill token budget; small ones split prompts into chunked prefills
     trace = tiny_trace(lens, gap)
-    fleet, result = run(DisaggConfig(replace(SMALL, max_num_batched_tokens=chunk), p, d, link), trace)
+    config = replace(SMALL, max_num_batched_tokens=chunk)
+    fleet, result = run(DisaggConfig(config, p, d, link), trace)
     check_invariants(fleet, result, trace)
+    _, stepwise = run(DisaggConfig(replace(config, event_skipping=False), p, d, link), trace)
+    assert result.records == stepwise.records
 
 
 def test_transfers_wait_for_decode_memory_and_skipping_changes_nothing():
