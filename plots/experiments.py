@@ -11,6 +11,11 @@ result files and never import the simulator:
                  latency CDFs
   sharing        parallel sampling n, beam width k, shared system prompt: KV blocks saved
   shared_prefix  a shared system prompt of 80 / 341 tokens, prefix caching on vs off
+  routers        4 replicas of Llama-3.1-8B / H100 behind each router on the Mooncake
+                 conversation trace (real shared prefixes), at half and at its own rate
+  disagg         prefill/decode splits vs 4 co-located replicas of Llama-3-8B / H100 on the
+                 Azure conversation trace re-timed 8x and 10x faster: SLO attainment and
+                 goodput per GPU (DistServe's comparison)
 
 `SCALES["small"]` is what CI runs (seconds); `SCALES["full"]` makes the committed figures.
 """
@@ -35,6 +40,8 @@ SCALES = {
         "allocation": {"num_requests": 120, "rates": [0.5, 2, 4], "focus_rate": 2},
         "sharing": {"num_requests": 30, "rate": 0.25, "ns": [2, 4], "beam_widths": [2, 4], "prefix_lens": [80, 341]},
         "shared_prefix": {"num_requests": 120, "rates": [1, 3], "prefix_lens": [341]},
+        "routers": {"num_requests": 120, "time_scales": [2.0, 1.0]},
+        "disagg": {"num_requests": 200, "time_scales": [0.125], "variants": ["4 co-located", "2P:2D nvlink"]},
     },
     "full": {
         "allocation": {"num_requests": 1000, "rates": [0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4],
@@ -42,6 +49,10 @@ SCALES = {
         "sharing": {"num_requests": 300, "rate": 0.25, "ns": [2, 4, 6], "beam_widths": [2, 4, 6],
                     "prefix_lens": [80, 341]},
         "shared_prefix": {"num_requests": 600, "rates": [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4], "prefix_lens": [80, 341]},
+        "routers": {"num_requests": 2000, "time_scales": [2.0, 1.0]},
+        "disagg": {"num_requests": 4000, "time_scales": [0.125, 0.1],
+                   "variants": ["4 co-located", "1P:3D nvlink", "2P:2D nvlink", "2P:2D infiniband", "2P:2D pcie",
+                                "3P:1D nvlink"]},
     },
 }
 
@@ -51,7 +62,20 @@ FIGURES = {
                    "latency_cdfs_allocation.png"],
     "sharing": ["sharing_savings.png"],
     "shared_prefix": ["latency_vs_rate_shared_prefix.png"],
+    "routers": ["routers_mooncake.png"],
+    "disagg": ["disagg_azure.png"],
 }
+
+# Fleets (README "Fleets"): the workloads, deployments and SLOs of the two comparisons.
+ROUTERS = ("round-robin", "least-requests", "least-kv", "prefix-aware")
+ROUTER_TRACE = "traces/mooncake_conversation.jsonl.gz"
+ROUTER_DEPLOYMENT = ["--model", "Llama-3.1-8B", "--hardware", "H100", "--enable-prefix-caching"]
+ROUTER_SLO = (2.0, 0.1)                 # TTFT, TPOT seconds
+DISAGG_TRACE = "traces/azure_conv_2023.vidur.csv"
+DISAGG_DEPLOYMENT = ["--model", "Llama-3-8B", "--hardware", "H100"]
+DISAGG_SLO = (0.5, 0.0135)              # tighter TPOT than co-located batches reach
+FLEET_KEYS = ("mean_ttft", "p90_ttft", "p99_ttft", "mean_tpot", "p90_tpot", "prefix_cache_hit_rate",
+              "request_throughput", "goodput", "goodput_per_gpu", "slo_attainment", "num_preemptions")
 
 
 def sim(*args: str) -> str:
@@ -99,7 +123,76 @@ def run_shared_prefix(scale: str, results: Path) -> str:
     return "\n".join(outs)
 
 
-RUNNERS = {"allocation": run_allocation, "sharing": run_sharing, "shared_prefix": run_shared_prefix}
+def _fleet_row(run_dir: Path, **labels) -> dict:
+    """One comparison row from a fleet run's summary.json."""
+    s = json.loads((Path(run_dir) / "summary.json").read_text())
+    row = dict(labels)
+    row.update({k: s.get(k) for k in FLEET_KEYS})
+    row["per_replica"] = [r["num_requests"] for r in s["replicas"]]
+    dis = s.get("disaggregation")
+    row["transfer_ms"] = dis["mean_transfer_time"] * 1e3 if dis else 0.0
+    row["wait_ms"] = dis["mean_wait_for_decode_memory"] * 1e3 if dis else 0.0
+    return row
+
+
+def _offered_rate(trace: str, num_requests: int, time_scale: float) -> float:
+    """Requests per second of the trace's first `num_requests`, re-timed by `time_scale`."""
+    from traces import load_trace, retime
+    t = retime(load_trace(ROOT / trace), time_scale=time_scale, num_requests=num_requests)
+    span = t.requests[-1].arrival_time - t.requests[0].arrival_time
+    return (len(t.requests) - 1) / span if span > 0 else float("inf")
+
+
+def run_routers(scale: str, results: Path) -> str:
+    p = SCALES[scale]["routers"]
+    rows, lines = [], []
+    for ts in p["time_scales"]:
+        rate = _offered_rate(ROUTER_TRACE, p["num_requests"], ts)
+        for router in ROUTERS:
+            out = Path(results) / "routers" / f"x{ts:g}" / router
+            sim("run", ROUTER_TRACE, *ROUTER_DEPLOYMENT, "--num-requests", p["num_requests"], "--time-scale", ts,
+                "--replicas", 4, "--router", router, "--slo-ttft", ROUTER_SLO[0], "--slo-tpot", ROUTER_SLO[1],
+                "--quiet", "--out", out)
+            row = _fleet_row(out, load=f"{rate:.1f} req/s", time_scale=ts, router=router)
+            row["rate"] = rate
+            rows.append(row)
+            lines.append(f"{row['load']:>10}  {router:<15} p90 TTFT {row['p90_ttft']:7.2f} s  mean TPOT "
+                         f"{row['mean_tpot'] * 1e3:6.1f} ms  hits {row['prefix_cache_hit_rate']:6.1%}  "
+                         f"meet SLOs {row['slo_attainment']:6.1%}")
+    (Path(results) / "routers.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return "\n".join(lines)
+
+
+def _disagg_args(variant: str) -> list:
+    """'4 co-located' -> 4 replicas behind least-requests; '2P:2D pcie' -> --disaggregate 2:2 --link pcie."""
+    if variant.endswith("co-located"):
+        return ["--replicas", int(variant.split()[0]), "--router", "least-requests"]
+    split, link = variant.split()
+    return ["--disaggregate", split.replace("P", "").replace("D", ""), "--link", link]
+
+
+def run_disagg(scale: str, results: Path) -> str:
+    p = SCALES[scale]["disagg"]
+    rows, lines = [], []
+    for ts in p["time_scales"]:
+        rate = _offered_rate(DISAGG_TRACE, p["num_requests"], ts)
+        for variant in p["variants"]:
+            out = Path(results) / "disagg" / f"x{ts:g}" / variant.replace(" ", "_").replace(":", "-")
+            sim("run", DISAGG_TRACE, *DISAGG_DEPLOYMENT, "--num-requests", p["num_requests"], "--time-scale", ts,
+                *_disagg_args(variant), "--slo-ttft", DISAGG_SLO[0], "--slo-tpot", DISAGG_SLO[1], "--quiet",
+                "--out", out)
+            row = _fleet_row(out, load=f"{rate:.1f} req/s", time_scale=ts, variant=variant)
+            row["rate"] = rate
+            rows.append(row)
+            lines.append(f"{row['load']:>11}  {variant:<17} p90 TTFT {row['p90_ttft'] * 1e3:8.0f} ms  p90 TPOT "
+                         f"{row['p90_tpot'] * 1e3:6.1f} ms  transfer {row['transfer_ms']:5.2f} ms  meet SLOs "
+                         f"{row['slo_attainment']:6.1%}  goodput/GPU {row['goodput_per_gpu']:5.2f}")
+    (Path(results) / "disagg.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return "\n".join(lines)
+
+
+RUNNERS = {"allocation": run_allocation, "sharing": run_sharing, "shared_prefix": run_shared_prefix,
+           "routers": run_routers, "disagg": run_disagg}
 
 
 # -- drawing ---------------------------------------------------------------------------------
@@ -151,7 +244,31 @@ def draw_shared_prefix(results: Path, out: Path) -> list[Path]:
                                     styles=styles, title=f"Shared system prompt, prefix caching on/off\n{SETTING}")]
 
 
-DRAWERS = {"allocation": draw_allocation, "sharing": draw_sharing, "shared_prefix": draw_shared_prefix}
+def draw_routers(results: Path, out: Path) -> list[Path]:
+    """The router figure, and its rows as routers_mooncake.json beside it."""
+    rows = json.loads((Path(results) / "routers.json").read_text())
+    Path(out).mkdir(parents=True, exist_ok=True)
+    data = Path(out) / "routers_mooncake.json"
+    data.write_text(json.dumps(rows, indent=1) + "\n")
+    return [figures.router_comparison(rows, Path(out) / "routers_mooncake.png",
+                                      title="Routers: Mooncake conversation trace, 4x Llama-3.1-8B / H100, "
+                                            "prefix caching")]
+
+
+def draw_disagg(results: Path, out: Path) -> list[Path]:
+    """The disaggregation figure, and its rows as disagg_azure.json beside it."""
+    rows = json.loads((Path(results) / "disagg.json").read_text())
+    Path(out).mkdir(parents=True, exist_ok=True)
+    data = Path(out) / "disagg_azure.json"
+    data.write_text(json.dumps(rows, indent=1) + "\n")
+    ttft, tpot = DISAGG_SLO
+    return [figures.disagg_comparison(rows, Path(out) / "disagg_azure.png",
+                                      title=f"Disaggregation vs co-location, 4 GPUs: Azure conv 2023, Llama-3-8B / H100 "
+                                            f"(SLO TTFT {ttft * 1e3:g} ms, TPOT {tpot * 1e3:g} ms)")]
+
+
+DRAWERS = {"allocation": draw_allocation, "sharing": draw_sharing, "shared_prefix": draw_shared_prefix,
+           "routers": draw_routers, "disagg": draw_disagg}
 
 
 def run_all(scale: str, results: Path, out: Path, only: list[str] | None = None, log=print) -> list[Path]:

@@ -58,10 +58,11 @@ def read_csv(path: str | Path) -> list[dict]:
     return rows
 
 
-def _save(fig, out: str | Path) -> Path:
+def _save(fig, out: str | Path, layout: bool = True) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if layout:
+        fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
@@ -265,32 +266,51 @@ def latency_cdfs(samples: Mapping[str, Mapping[str, list[float]]], out: str | Pa
     return _save(fig, out)
 
 
-def router_comparison(rows: Iterable[Mapping], out: str | Path, *, title: str = "Routers",
-                      panels: tuple[tuple[str, str, float], ...] = (
-                          ("p90_ttft", "p90 TTFT (s)", 1.0), ("mean_tpot", "mean TPOT (ms)", 1e3),
-                          ("prefix_cache_hit_rate", "prefix-cache hit rate (%)", 100.0),
-                          ("slo_attainment", "requests meeting the SLOs (%)", 100.0))) -> Path:
-    """Grouped bars: one group per load (`load` label), one bar per `router`, one panel per
-    metric (rows as `sim run --replicas N --router R` summaries, plus `load`)."""
+def grouped_bars(rows: Iterable[Mapping], out: str | Path, series: str,
+                 panels: tuple[tuple[str, str, float, bool], ...], *, title: str) -> Path:
+    """Grouped bars: one group per load (`load` label), one bar per value of `series`, one
+    panel per (key, label, scale, log axis)."""
     rows = list(rows)
     loads = list(dict.fromkeys(r["load"] for r in rows))
-    routers = list(dict.fromkeys(r["router"] for r in rows))
+    names = list(dict.fromkeys(r[series] for r in rows))
     fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), squeeze=False)
-    width = 0.8 / len(routers)
-    colors = ["#90a4ae", "#1565c0", "#2e7d32", "#ef6c00", "#6a1b9a"]
-    for ax, (key, label, scale) in zip(axes[0], panels):
-        for j, router in enumerate(routers):
-            vals = [next((r[key] * scale for r in rows if r["load"] == load and r["router"] == router), 0.0)
+    width = 0.8 / len(names)
+    for ax, (key, label, scale, log) in zip(axes[0], panels):
+        for j, name in enumerate(names):
+            vals = [next((r[key] * scale for r in rows if r["load"] == load and r[series] == name), 0.0)
                     for load in loads]
-            ax.bar([i + (j - (len(routers) - 1) / 2) * width for i in range(len(loads))], vals, width,
-                   label=router, color=colors[j % len(colors)])
+            ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(loads))], vals, width,
+                   label=name, color=PALETTE[j % len(PALETTE)])
+        if log:
+            ax.set_yscale("log")
         ax.set_xticks(range(len(loads)))
         ax.set_xticklabels(loads, fontsize=8)
-        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("offered load", fontsize=8)
+        ax.set_ylabel(label, fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.suptitle(title, fontsize=10)
-    return _save(fig, out)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))          # room for one legend row below the panels
+    fig.legend(handles, labels, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    return _save(fig, out, layout=False)
+
+
+def router_comparison(rows: Iterable[Mapping], out: str | Path, *, title: str = "Routers") -> Path:
+    """Routers side by side per load (rows: `sim run --replicas N --router R` summaries
+    plus `load` and `router`)."""
+    return grouped_bars(rows, out, "router", (
+        ("p90_ttft", "p90 TTFT (s)", 1.0, False), ("mean_tpot", "mean TPOT (ms)", 1e3, False),
+        ("prefix_cache_hit_rate", "prefix-cache hit rate (%)", 100.0, False),
+        ("slo_attainment", "requests meeting the SLOs (%)", 100.0, False)), title=title)
+
+
+def disagg_comparison(rows: Iterable[Mapping], out: str | Path, *, title: str = "Disaggregation") -> Path:
+    """Deployments (co-located replicas, P:D splits and links) side by side per load (rows:
+    fleet summaries plus `load` and `variant`)."""
+    return grouped_bars(rows, out, "variant", (
+        ("p90_ttft", "p90 TTFT (s, log)", 1.0, True), ("p90_tpot", "p90 TPOT (ms, log)", 1e3, True),
+        ("slo_attainment", "requests meeting the SLOs (%)", 100.0, False),
+        ("goodput_per_gpu", "goodput per GPU (req/s)", 1.0, False)), title=title)
 
 
 def pp_vs_tp(rows: Iterable[Mapping], out: str | Path, *, title: str = "Pipeline vs tensor parallelism") -> Path:

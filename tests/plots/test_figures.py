@@ -20,9 +20,9 @@ def drawn(monkeypatch) -> list:
     figs = []
     save = figures._save
 
-    def keep(fig, out):
+    def keep(fig, out, *args, **kwargs):
         figs.append(fig)
-        return save(fig, out)
+        return save(fig, out, *args, **kwargs)
 
     monkeypatch.setattr(figures, "_save", keep)
     return figs
@@ -96,11 +96,17 @@ def all_figures(tmp_path) -> None:
     figures.memory_over_time({"paged": series, "orca-max": series}, tmp_path / "e.png")
     figures.latency_cdfs({"paged": {"ttft": [0.1, 0.2], "tpot": [0.02, 0.03]},
                           "orca-max": {"ttft": [0.3, 0.9], "tpot": [0.05, 0.04]}}, tmp_path / "f.png")
+    fleet = {"p90_ttft": 0.5, "mean_tpot": 0.02, "p90_tpot": 0.03, "prefix_cache_hit_rate": 0.1,
+             "slo_attainment": 0.9, "goodput_per_gpu": 2.0}
+    figures.router_comparison([{**fleet, "load": f"{x} req/s", "router": r} for x in (1, 2)
+                               for r in ("round-robin", "prefix-aware")], tmp_path / "g.png")
+    figures.disagg_comparison([{**fleet, "load": f"{x} req/s", "variant": v} for x in (1, 2)
+                               for v in ("4 co-located", "2P:2D nvlink")], tmp_path / "h.png")
 
 
 def test_every_panel_has_axis_labels(drawn, tmp_path):
     all_figures(tmp_path)
-    assert len(drawn) == 6
+    assert len(drawn) == 8
     for fig in drawn:
         main_axes = []
         for ax in fig.axes:
