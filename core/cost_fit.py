@@ -16,7 +16,9 @@ TABLE_FAMILY), still linear in its coefficients.
 A served calibration (`fit_served_scale`, section "served") scales the whole step by a
 measured served/profiled ratio per phase (or phase and batch-size or prefill-size
 bucket); a "client" section holds the delays a streaming client adds to the first and
-last token.
+last token; a "jitter" section (`fit_step_jitter`) how served steps scatter around their
+calibrated prediction within a run, for a twin that reproduces that spread
+(`StepJitter`).
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
@@ -461,6 +463,61 @@ def fit_served_scale(rows: Sequence[Sequence], k: int = 5, seed: int = 0) -> dic
     return {"family": family, "factors": served_factors(rows, family), "held_out": report, "n": len(rows)}
 
 
+# -- step jitter ---------------------------------------------------------------------------
+# The calibrated model prices a served step right on average, but the same shape costs
+# more or less from one step to the next: the host slows for a second or two at a time
+# (other jobs on the memory bus), decode batches mix context lengths. Latency statistics
+# taken at a rank (median TPOT: where the lone-decode requests end and the batched ones
+# begin) land on the edge of that spread, which a twin without it cannot reproduce. The
+# jitter section measures it on the calibration runs: per step, the log of measured over
+# calibrated seconds, each run's own mean removed (what differs between whole runs is the
+# served ratio's business, not the step's); its standard deviation and the correlation of
+# consecutive steps (slow stretches last many steps). `StepJitter` draws a series with
+# the same two numbers (a Gaussian AR(1) in the log) whose factors average 1.
+MIN_JITTER_STEPS = 20            # per run: a shorter run says little about correlation
+
+
+def fit_step_jitter(runs: Sequence[Sequence[Sequence]], factors: dict[str, float]) -> dict:
+    """The jitter section from calibration runs (each a list of ServedStep rows in step
+    order) and the served factors fitted on them: sigma (sd of the demeaned log residual),
+    phi (lag-1 autocorrelation within runs, clipped to [0, 0.999]), n (steps), runs."""
+    dev: list[list[float]] = []
+    for rows in runs:
+        logs = [math.log(m / (p * served_factor(factors, ph, sq, tk)))
+                for ph, sq, tk, p, m in map(ServedStep._make, rows) if p > 0 and m > 0]
+        if len(logs) >= MIN_JITTER_STEPS:
+            mean = sum(logs) / len(logs)
+            dev.append([x - mean for x in logs])
+    n = sum(map(len, dev))
+    if not n:
+        return {"sigma": 0.0, "phi": 0.0, "n": 0, "runs": 0}
+    var = sum(x * x for d in dev for x in d) / n
+    lag = sum(a * b for d in dev for a, b in zip(d, d[1:]))
+    pairs = sum(len(d) - 1 for d in dev)
+    phi = lag / pairs / var if var > 0 and pairs else 0.0
+    return {"sigma": math.sqrt(var), "phi": min(max(phi, 0.0), 0.999), "n": n, "runs": len(dev)}
+
+
+class StepJitter:
+    """Multiplicative step-time noise with a jitter section's sd and step-to-step
+    correlation: x_t = phi x_{t-1} + sqrt(1 - phi^2) sigma e_t (e_t standard normal, x_0
+    drawn from the stationary law), factor_t = exp(x_t - sigma^2 / 2), whose mean is 1.
+    Seeded: the same seed gives the same factors."""
+
+    def __init__(self, sigma: float, phi: float, seed: int):
+        self.sigma, self.phi = sigma, phi
+        self._rng = random.Random(seed)
+        self._innovation = math.sqrt(1.0 - phi * phi) * sigma
+        self._shift = sigma * sigma / 2
+        self._x = self._rng.gauss(0.0, sigma) if sigma > 0 else 0.0
+
+    def next(self) -> float:
+        """The factor of the next step."""
+        x = self._x
+        self._x = self.phi * x + self._rng.gauss(0.0, self._innovation) if self.sigma > 0 else 0.0
+        return math.exp(x - self._shift)
+
+
 def check_model(model: dict, where: str = "cost model") -> None:
     """Raise ValueError naming what is wrong when `model` is not a usable step-cost model."""
     if not isinstance(model, dict) or model.get("format") != FORMAT:
@@ -492,6 +549,20 @@ def check_model(model: dict, where: str = "cost model") -> None:
         _check_served(model["served"], where)
     if "client" in model:
         client_delays(model, where)
+    if "jitter" in model:
+        jitter_params(model, where)
+
+
+def jitter_params(model: dict, where: str = "cost model") -> tuple[float, float] | None:
+    """(sigma, phi) of the model's jitter section; None without one."""
+    jitter = model.get("jitter")
+    if jitter is None:
+        return None
+    sigma, phi = (jitter.get(k) if isinstance(jitter, dict) else None for k in ("sigma", "phi"))
+    if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0 or \
+            not isinstance(phi, (int, float)) or not 0 <= phi < 1:
+        raise ValueError(f"{where}: jitter: sigma must be finite and >= 0 and phi in [0, 1), got {jitter!r}")
+    return float(sigma), float(phi)
 
 
 def client_delays(model: dict, where: str = "cost model") -> tuple[float, float]:

@@ -12,6 +12,8 @@ copy of the profile with two more sections:
   * `served`: per phase (or phase and batch-size or prefill-size bucket) the ratio of the
     logged steps' seconds to the profile's prediction for the same shapes; the family is chosen by
     k-fold held-out error of the total time (`core.cost_fit.fit_served_scale`), printed;
+  * `jitter`: how much served steps scatter around that prediction within a run (sd of
+    the log ratio, step-to-step correlation), drawn per step by `--jitter-seed`;
   * `client`: the median extra seconds between the engine making a request's first / last
     token (measured from when the request reached the server) and the client receiving
     it (HTTP in, streaming out); `sim validate` adds them to the simulated latencies.
@@ -25,8 +27,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from core.cost_fit import (ServedStep, StepCostEvaluator, check_model, fit_served_scale, phase_of, shape_of,
-                           summarize_errors)
+from core.cost_fit import (ServedStep, StepCostEvaluator, check_model, fit_served_scale, fit_step_jitter, phase_of,
+                           shape_of, summarize_errors)
 from core.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
 
@@ -110,10 +112,11 @@ def calibrate(model: dict, runs: list[tuple[Path, dict]], folds: int = 5) -> dic
     check_model(model)
     evaluator = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
     basis = model.get("profile", {}).get("time_basis", "wall")
-    rows, delays = [], []
+    per_run, delays = [], []
     for log, bench in runs:
-        rows += step_rows(load_log(str(log))[2], evaluator, basis)
+        per_run.append(step_rows(load_log(str(log))[2], evaluator, basis))
         delays += client_delay_samples(log, bench)
+    rows = [r for run in per_run for r in run]
     if not delays:
         raise ValueError("no request of the calibration runs could be paired with its bench result")
     out = dict(model)
@@ -123,6 +126,7 @@ def calibrate(model: dict, runs: list[tuple[Path, dict]], folds: int = 5) -> dic
                      "last_token_s": statistics.median(d[1] for d in delays), "n": len(delays),
                      "first_token": summarize_errors([d[0] for d in delays]),
                      "last_token": summarize_errors([d[1] for d in delays])}
+    out["jitter"] = fit_step_jitter(per_run, out["served"]["factors"])
     check_model(out)
     return out
 
@@ -141,6 +145,10 @@ def format_report(model: dict) -> str:
                      f"{e['total']['mean'] * 100:5.1f}% | per stratum {strata * 100:5.1f}% | step median "
                      f"{e['step']['median'] * 100:5.1f}%  (n={e['step']['n']})")
     lines.append("factors: " + (", ".join(f"{k} x{v:.3f}" for k, v in sorted(served["factors"].items())) or "none"))
+    jitter = model.get("jitter")
+    if jitter:
+        lines.append(f"step jitter within a run (--jitter-seed): sd {jitter['sigma'] * 100:.1f}% of a step's time, "
+                     f"lag-1 correlation {jitter['phi']:.2f} ({jitter['n']} steps of {jitter['runs']} runs)")
     lines.append(f"client delay (median over {client['n']} requests): first token +{client['first_token_s'] * 1e3:.1f} ms, "
                  f"last token +{client['last_token_s'] * 1e3:.1f} ms after the engine made it")
     return "\n".join(lines)

@@ -147,6 +147,10 @@ class SimConfig:
                                          "JSON file; per-step overhead included; swaps still use the roofline's "
                                          "PCIe term) instead of the roofline of --model on --hardware",
                                    group="simulator", metavar="FILE")
+    jitter_seed: int | None = _knob(None, "with a calibrated --cost-model (`sim calibrate`): multiply each step's "
+                                          "time by seeded noise with the served runs' measured step-to-step "
+                                          "spread and correlation (its jitter section); runs step by step",
+                                    group="simulator", type=int, metavar="S")
     event_skipping: bool = _knob(True, "skip steady decode spans in bulk (--no-event-skipping: every step one by "
                                        "one; slower, same results)", group="simulator")
 

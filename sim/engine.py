@@ -136,7 +136,9 @@ def resolve(config: SimConfig) -> ResolvedConfig:
             raise ValueError("--cost-model prices a whole model on one GPU group; with --pp the roofline prices "
                              "each stage: drop --cost-model or --pp")
     if c.cost_model is not None:
-        FittedCostModel.from_file(c.cost_model, RooflineCostModel(model, hw, c.tp))   # fails early, naming the file
+        FittedCostModel.from_file(c.cost_model, RooflineCostModel(model, hw, c.tp), c.jitter_seed)   # fails early
+    elif c.jitter_seed is not None:
+        raise ValueError("--jitter-seed draws noise from a calibrated cost model's jitter section: add --cost-model")
 
     if c.max_model_len is not None and c.max_model_len > model.max_model_len:
         raise ValueError(f"max-model-len {c.max_model_len} exceeds {model.name}'s context of "
@@ -232,10 +234,12 @@ class SimEngine:
         self.scheduler = Scheduler(resolved.scheduler, resolved.cache, resolved.policies())
         cost_model = RooflineCostModel(resolved.model, resolved.hardware, cfg.tp)
         if cfg.cost_model is not None:
-            cost_model = FittedCostModel.from_file(cfg.cost_model, swap_fallback=cost_model)
+            cost_model = FittedCostModel.from_file(cfg.cost_model, swap_fallback=cost_model,
+                                                   jitter_seed=cfg.jitter_seed)
         self.executor = SimExecutor(cost_model, resolved.block_bytes, seed=cfg.seed)
         self.executor.fast_tokens = cfg.n == 1 and not cfg.beam_width
-        self.event_skipping = cfg.event_skipping
+        # jittered step times are drawn in step order (sim.fitted_cost)
+        self.event_skipping = cfg.event_skipping and cfg.jitter_seed is None
         self.progress = progress
         self.env = simpy.Environment()
         n = len(trace.requests)

@@ -66,6 +66,9 @@ class FleetConfig:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         make_policy("router", self.router)
+        if self.replica.jitter_seed is not None:
+            raise ValueError("--jitter-seed draws one engine's step noise (every replica would draw the same): "
+                             "drop it for fleets")
         if self.router == "prefix-aware" and not self.replica.enable_prefix_caching:
             raise ValueError("the prefix-aware router routes by cached prefixes: add --enable-prefix-caching")
 

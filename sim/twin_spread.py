@@ -36,7 +36,10 @@ def session_errors(report: dict, k: int, rounds: int) -> list[dict[str, float]]:
     every choice of `rounds` of its rounds."""
     from sim.validate import first_requests_stats, mean_stats, rel_errors
 
-    per_round = [(first_requests_stats(r["latencies"]["real"], k), first_requests_stats(r["latencies"]["sim"], k))
+    def predicted(lat: dict) -> dict[str, float]:          # the mean over the jitter draws, if any
+        return mean_stats([first_requests_stats(d, k) for d in lat.get("sim_draws") or [lat["sim"]]])
+
+    per_round = [(first_requests_stats(r["latencies"]["real"], k), predicted(r["latencies"]))
                  for r in report["rounds"]]
     out = []
     for chosen in itertools.combinations(per_round, rounds):

@@ -8,8 +8,9 @@
    bench serve` (HTTP and streaming in the loop), in subprocesses: the simulator never
    imports the real engine.
 3. Predicts every validation run with the profile calibrated (`sim calibrate`'s fit) on
-   the calibration runs on either side of it, simulating that run's logged workload, and
-   compares with the client's numbers. The scenarios:
+   the calibration runs on either side of it, simulating that run's logged workload (the
+   mean of JITTER_DRAWS simulations with the calibration runs' step jitter, and one
+   without), and compares with the client's numbers. The scenarios:
   * light: 30 ShareGPT requests at 0.5 req/s, default engine (no queueing; 30, not 10,
     so that a p90 is not one request: `sim.twin_spread` measures it);
   * queueing: 20 requests at 4 req/s on 40 KV blocks of 16 tokens and at most 8
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from sim.rounds import (CALIBRATION, DESIGNS, PAIRINGS, VALIDATION, Slot, calibration_for, choose_pairing,
                         interior_calibration_runs, pairing_check, schedule)
+from sim.validate import JITTER_DRAWS
 
 # name: (rate, requests, `realexec serve` flags); every scenario caps outputs at MAX_TOKENS
 SCENARIOS = {
@@ -147,12 +149,10 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     `pairing` names (None: uncalibrated), the simulation of the round's logged workload,
     the real client's numbers (and per request the real and simulated latencies, in
     arrival order: `sim.twin_spread` computes statistics over the first requests)."""
-    from core.cost_fit import client_delays
     from core.step_log import load_log
     from sim.calibrate import calibrate
-    from sim.fitted_cost import load_cost_model_file
-    from sim.validate import (bench_latencies, client_stats, cpu_share, draw, engine_stats, mean_stats, rel_errors,
-                              run_noise, run_sim, sim_latencies, workload_from_log)
+    from sim.validate import (bench_latencies, client_stats, cpu_share, draw, engine_stats, mean_stats,
+                              rel_errors, run_noise, run_sim, workload_from_log)
 
     out.mkdir(parents=True, exist_ok=True)
     vals = [s for s in slots if s.role == VALIDATION and s.scenario == name]
@@ -161,7 +161,7 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     if calibrate_runs:
         once_path = out / "calibrated.once.json"          # one calibration before everything: C0 alone
         once_path.write_text(json.dumps(calibrate(profile, [runs[cals[0]][:2]])))
-    rounds, real, sim, once, base = [], [], [], [], []
+    rounds, real, sim, once, base, steady = [], [], [], [], [], []
     for v in vals:
         log, bench, machine = runs[v]
         config, trace, engine = workload_from_log(log)
@@ -175,17 +175,21 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
             model = calibrate(profile, [runs[c][:2] for c in fed])
             path = str(out / f"calibrated.r{v.round}.json")
             Path(path).write_text(json.dumps(model))
-            base.append(run_sim(config, trace, profile_path, engine["first_visible"])[0])
-            once.append(run_sim(config, trace, str(once_path), engine["first_visible"])[0])
+            base.append(run_sim(config, trace, profile_path, engine["first_visible"]).stats)
+            once.append(run_sim(config, trace, str(once_path), engine["first_visible"]).stats)
+            steady.append(run_sim(config, trace, path, engine["first_visible"]).stats)
             actual, priced = served_ratio(model, log)
             entry.update(fed=[c.name for c in fed], family=model["served"]["family"],
                          factors=model["served"]["factors"], client=model["client"],
                          validation_ratio=actual, predicted_ratio=priced,
                          calibration_ratios=[served_ratio(model, runs[c][0])[0] for c in fed])
-        stats, sim_e2e, sim_batch, result = run_sim(config, trace, path, engine["first_visible"])
+        # calibrated: the mean of JITTER_DRAWS simulations with the calibration runs' step jitter
+        stats, sim_e2e, sim_batch, _, draws = run_sim(config, trace, path, engine["first_visible"],
+                                                       JITTER_DRAWS if calibrate_runs else 0)
         sim.append(stats)
-        entry["latencies"] = {"real": bench_latencies(bench), "sim": [lat for _, lat in sim_latencies(
-            result.records, engine["first_visible"], *client_delays(load_cost_model_file(path)))]}
+        entry["latencies"] = {"real": bench_latencies(bench), "sim": draws[0], "sim_draws": draws}
+        if calibrate_runs:
+            entry["jitter"] = model.get("jitter")
         _, real_e2e = engine_stats(trace, engine)
         draw(out / f"round{v.round}.png", real_e2e, sim_e2e, engine["batch"], sim_batch)
         entry["errors"] = rel_errors(sim[-1], real[-1])
@@ -193,12 +197,13 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     real_mean = mean_stats(real)
     errors = {"sim vs mean": rel_errors(mean_stats(sim), real_mean)}
     if calibrate_runs:
+        errors["no jitter vs mean"] = rel_errors(mean_stats(steady), real_mean)
         errors["calibrated once vs mean"] = rel_errors(mean_stats(once), real_mean)
         errors["uncalibrated vs mean"] = rel_errors(mean_stats(base), real_mean)
     rate, _, engine_args = SCENARIOS[name]
     n = len(runs[vals[0]][1]["ttfts"])               # the validation slice's requests
     report = {"scenario": name, "rate": rate, "num_requests": n, "engine_args": engine_args,
-              "real": real, "sim": sim, "once": once, "uncalibrated": base, "real mean": real_mean,
+              "real": real, "sim": sim, "no_jitter": steady, "once": once, "uncalibrated": base, "real mean": real_mean,
               "errors": errors, "noise": run_noise(real), "rounds": rounds, "pairing": pairing,
               "cpu_count": os.cpu_count()}
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -308,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         parts += [f"    {name:10s} " + " ".join(f"{e * 100:+6.1f}%" for e in errs)
                   + (f"   mean |error| {sum(map(abs, errs)) / len(errs) * 100:.1f}%" if errs else "")
                   + ("   <- chosen" if name == pairing else "") for name, errs in check.items()]
-        parts += ["", "`sim vs mean`: the mean of the rounds' predictions against the mean of the real runs; "
+        parts += ["", "`sim vs mean`: the mean of the rounds' predictions against the mean of the real runs (each "
+                  f"prediction the mean of {JITTER_DRAWS} simulations with the calibration runs' step jitter); "
+                  "`no jitter`: the same calibrated model without jitter; "
                   "`round r`: that round's prediction against its own real run; `calibrated once`: fitted on the "
                   "scenario's first calibration run only (one calibration before the validation runs, as before "
                   "rounds); noise: the real runs' largest distance from their mean.", ""]

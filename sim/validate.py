@@ -40,14 +40,19 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from core.metrics import percentile
 from core.step_log import first_visible_index, load_log, read_log, sample_times
-from sim.config import SimConfig, positive_float, positive_int
+from sim.config import SimConfig, nonneg_int, positive_float, positive_int
 from traces.model import Trace, TraceRequest
 
 GiB = 1 << 30
 METRICS = ("ttft", "tpot", "e2el")
+# Simulations per prediction with step jitter (seeds 0..K-1, statistics averaged): the
+# slices are tens of requests, so each is milliseconds; 16 draws put the average's own
+# spread well under the real runs' (a median over 30 requests moves by a few % per draw).
+JITTER_DRAWS = 16
 
 
 def add_parser(sub) -> None:
@@ -69,6 +74,10 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline-cost-model", default=None, metavar="FILE",
                    help="also simulate with this cost model (e.g. the profile before `sim calibrate`) "
                         "and report its errors next to --cost-model's")
+    p.add_argument("--jitter-draws", type=nonneg_int, default=JITTER_DRAWS, metavar="K",
+                   help="with a calibrated --cost-model (`sim calibrate`, its jitter section): average the "
+                        "statistics of K simulations with step jitter seeds 0..K-1, and report the simulation "
+                        "without jitter next to them; 0: no jitter (default: %(default)s)")
     p.add_argument("--reuse-real", action="store_true",
                    help="take the real runs already in --out (their step logs and bench results) and only "
                         "simulate again, e.g. with another --cost-model")
@@ -241,7 +250,7 @@ def engine_stats(trace: Trace, engine: dict) -> tuple[dict[str, float], dict[str
                   sum(r.output_len for r in trace.requests) / span), e2e
 
 
-def sim_config_from_log(config: dict, cost_model: str) -> SimConfig:
+def sim_config_from_log(config: dict, cost_model: str, jitter_seed: int | None = None) -> SimConfig:
     from sim.cost_model import kv_block_bytes
     from sim.specs import get_model
 
@@ -254,29 +263,50 @@ def sim_config_from_log(config: dict, cost_model: str) -> SimConfig:
                      max_model_len=s["max_model_len"], enable_chunked_prefill=s["enable_chunked_prefill"],
                      enable_prefix_caching=c["enable_prefix_caching"], watermark=c["watermark"],
                      queue=p["queue"], preemption=p["preemption"], victim=p["victim"], eviction=p["eviction"],
-                     cost_model=cost_model)
+                     cost_model=cost_model, jitter_seed=jitter_seed)
 
 
-def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str, int] | None = None):
+class SimRun(NamedTuple):
+    stats: dict[str, float]          # client-side statistics (averaged over the jitter draws)
+    e2e: dict[str, float]            # per request id, E2E latency (first draw)
+    batch: list                      # (time, running batch size) per step (first draw)
+    result: object                   # the simulator's SimResult (first draw)
+    latencies: list[list]            # per draw, (ttft, tpot or None, e2e) per request in arrival order
+
+
+def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str, int] | None = None,
+            jitter_draws: int = 0) -> SimRun:
     """Simulate the logged workload; latencies as the client sees them: the engine's (from
     the request reaching the server; the first token is the one at `first_visible[id]`,
     0-based, the first with text in the real run) plus the cost model's client delays for
-    the first and the last token (HTTP in and streaming out, from a served calibration)."""
-    from core.cost_fit import client_delays
+    the first and the last token (HTTP in and streaming out, from a served calibration).
+    jitter_draws > 0 and a model with a jitter section: that many simulations with step
+    jitter seeds 0, 1, ..., their statistics averaged (the twin's expected value); the
+    per-request latencies, the batch timeline and the result are the first draw's."""
+    from core.cost_fit import client_delays, jitter_params
     from sim.fitted_cost import load_cost_model_file
     from sim.run import simulate
 
-    first_delay, last_delay = client_delays(load_cost_model_file(cost_model), cost_model)
-    result = simulate(sim_config_from_log(config, cost_model), trace)
-    done = sim_latencies(result.records, first_visible, first_delay, last_delay)
+    model = load_cost_model_file(cost_model)
+    first_delay, last_delay = client_delays(model, cost_model)
+    seeds = list(range(jitter_draws)) if jitter_draws > 0 and jitter_params(model, cost_model) else [None]
+    draws = []
+    for seed in seeds:
+        result = simulate(sim_config_from_log(config, cost_model, seed), trace)
+        done = sim_latencies(result.records, first_visible, first_delay, last_delay)
+        total_out = sum(r.num_output_tokens for r in result.records)
+        stats = _stats({"ttft": [lat[0] for _, lat in done],
+                        "tpot": [lat[1] for _, lat in done if lat[1] is not None],
+                        "e2el": [lat[2] for _, lat in done]}, total_out / result.sim_time)
+        draws.append((stats, done, result))
+    stats, done, result = draws[0]
+    if len(draws) > 1:
+        stats = mean_stats([d[0] for d in draws])
     e2e = {rid: lat[2] for rid, lat in done}
-    total_out = sum(r.num_output_tokens for r in result.records)
-    stats = _stats({"ttft": [lat[0] for _, lat in done], "tpot": [lat[1] for _, lat in done if lat[1] is not None],
-                    "e2el": list(e2e.values())}, total_out / result.sim_time)
     cols = result.TIMESERIES_COLUMNS
     ti, bi = cols.index("time"), cols.index("batch_size")
     batch = [(row[ti], row[bi]) for row in result.timeseries]
-    return stats, e2e, batch, result
+    return SimRun(stats, e2e, batch, result, [[lat for _, lat in d[1]] for d in draws])
 
 
 def sim_latencies(records, first_visible: dict[str, int] | None, first_delay: float,
@@ -366,7 +396,7 @@ def contention_scale(model: dict, real_share: float | None) -> float | None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from core.cost_fit import scaled_model
+    from core.cost_fit import jitter_params, scaled_model
     from sim.fitted_cost import FittedCostModel, load_cost_model_file
 
     FittedCostModel.from_file(args.cost_model, None)          # a bad file fails before any server starts
@@ -392,11 +422,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     shares = [cpu_share(load_log(str(log))[2]) for log, _, _ in runs]
     mean_share = sum(shares) / len(shares) if all(shares) else None
     real_mean, noise = mean_stats(real), run_noise(real)
-    sim_stats, sim_e2e, sim_batch, _ = run_sim(config, trace, args.cost_model, engine["first_visible"])
+    draws = args.jitter_draws
+    sim_stats, sim_e2e, sim_batch, _, _ = run_sim(config, trace, args.cost_model, engine["first_visible"], draws)
     eng1, real_e2e = engine_stats(trace, engine)
     rows = {f"real{k} (client)": s for k, s in enumerate(real, 1)}
     rows.update({"real mean": real_mean, "real1 (engine)": eng1, "sim": sim_stats})
     errors = {"sim vs mean": rel_errors(sim_stats, real_mean)}
+    jittered = draws > 0 and jitter_params(model, args.cost_model) is not None
+    if jittered:
+        steady = run_sim(config, trace, args.cost_model, engine["first_visible"]).stats
+        rows["sim (no jitter)"] = steady
+        errors["sim (no jitter) vs mean"] = rel_errors(steady, real_mean)
     scale = contention_scale(model, mean_share)
     if scale is not None:
         # the same simulation with every step slowed as much as the real runs' stepping
@@ -404,17 +440,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # own threads): what the twin predicts given the CPU the engine actually got
         scaled_path = out / "cost_model.contended.json"
         scaled_path.write_text(json.dumps(scaled_model(model, scale)))
-        contended, sim_e2e, sim_batch, _ = run_sim(config, trace, str(scaled_path), engine["first_visible"])
+        contended, sim_e2e, sim_batch, _, _ = run_sim(config, trace, str(scaled_path), engine["first_visible"], draws)
         rows["sim (contended)"] = contended
         errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
     if getattr(args, "baseline_cost_model", None):
-        baseline, _, _, _ = run_sim(config, trace, args.baseline_cost_model, engine["first_visible"])
+        baseline = run_sim(config, trace, args.baseline_cost_model, engine["first_visible"]).stats
         rows["sim (baseline)"] = baseline
         errors["sim (baseline) vs mean"] = rel_errors(baseline, real_mean)
     errors["sim vs engine1"] = rel_errors(sim_stats, eng1)
     draw(out / "validate.png", real_e2e, sim_e2e, engine["batch"], sim_batch,
          "simulated (contended)" if scale is not None else "simulated")
     report = {"trace": args.trace, "rate": args.rate, "num_requests": len(trace.requests),
+              "jitter_draws": draws if jittered else 0,
               "skip": getattr(args, "skip", 0), "seed": args.seed, "cost_model": args.cost_model,
               "baseline_cost_model": getattr(args, "baseline_cost_model", None), "engine_args": args.engine_args,
               "stats": rows, "errors": errors, "noise": noise, "cpu_share": shares, "contention_scale": scale,
@@ -434,6 +471,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         line += (f" in {m['wall_s']:.1f}s on {os.cpu_count()} CPUs; load average {m['loadavg_1m_before']:.2f}"
                  f" -> {m['loadavg_1m_after']:.2f}")
         print(line)
+    if jittered:
+        print(f"sim: the mean of {draws} simulations with step jitter (the cost model's jitter section); "
+              f"sim (no jitter): one without")
     if scale is not None:
         print(f"sim (contended): every step x{scale:.2f}, the real runs' slowdown from the CPU they got")
     print(f"report.json and validate.png in {out}/")

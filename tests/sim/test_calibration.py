@@ -796,11 +796,11 @@ def test_the_simulated_client_sees_the_first_visible_token_plus_the_client_delay
     plain.write_text(json.dumps(_bumpy_model()))
     delayed = tmp_path / "delayed.json"
     delayed.write_text(json.dumps(dict(_bumpy_model(), client={"first_token_s": 0.25, "last_token_s": 0.05})))
-    base, e2e0, _, result = run_sim(config, trace, str(plain))
-    shifted, e2e1, _, _ = run_sim(config, trace, str(delayed))
+    base, e2e0, _, result, _ = run_sim(config, trace, str(plain))
+    shifted, e2e1, _, _, _ = run_sim(config, trace, str(delayed))
     assert shifted["median_ttft"] == pytest.approx(base["median_ttft"] + 0.25)
     assert all(e2e1[k] == pytest.approx(e2e0[k] + 0.05) for k in e2e0)
-    second, _, _, _ = run_sim(config, trace, str(plain), {"a": 1, "b": 1})   # first text on the 2nd token
+    second = run_sim(config, trace, str(plain), {"a": 1, "b": 1}).stats   # first text on the 2nd token
     rec = {r.request_id: r for r in result.records}
     want = sorted(rec[k].token_times[1] - rec[k].arrival_time for k in ("a", "b"))
     assert second["median_ttft"] == pytest.approx(sum(want) / 2)
