@@ -74,6 +74,7 @@ ROUTER_SLO = (2.0, 0.1)                 # TTFT, TPOT seconds
 DISAGG_TRACE = "traces/azure_conv_2023.vidur.csv"
 DISAGG_DEPLOYMENT = ["--model", "Llama-3-8B", "--hardware", "H100"]
 DISAGG_SLO = (0.5, 0.0135)              # tighter TPOT than co-located batches reach
+SERIES = {"routers": "router", "disagg": "variant"}     # what a comparison's bars are
 FLEET_KEYS = ("mean_ttft", "p90_ttft", "p99_ttft", "mean_tpot", "p90_tpot", "prefix_cache_hit_rate",
               "request_throughput", "goodput", "goodput_per_gpu", "slo_attainment", "num_preemptions")
 
@@ -123,16 +124,30 @@ def run_shared_prefix(scale: str, results: Path) -> str:
     return "\n".join(outs)
 
 
-def _fleet_row(run_dir: Path, **labels) -> dict:
-    """One comparison row from a fleet run's summary.json."""
-    s = json.loads((Path(run_dir) / "summary.json").read_text())
-    row = dict(labels)
-    row.update({k: s.get(k) for k in FLEET_KEYS})
-    row["per_replica"] = [r["num_requests"] for r in s["replicas"]]
-    dis = s.get("disaggregation")
-    row["transfer_ms"] = dis["mean_transfer_time"] * 1e3 if dis else 0.0
-    row["wait_ms"] = dis["mean_wait_for_decode_memory"] * 1e3 if dis else 0.0
-    return row
+def _fleet_comparison(name: str, trace: str, deployment: list, slo: tuple[float, float], num_requests: int,
+                      time_scales: list[float], variants: dict[str, list], results: Path, line) -> str:
+    """Run `sim run` for every (time scale, variant: its fleet flags) into results/<name>/
+    and collect one row per run into results/<name>.json: the summary's FLEET_KEYS, the
+    offered `rate` and its `load` label, the variant under SERIES[name]. Returns the runs'
+    lines (`line(row)`)."""
+    rows, lines = [], []
+    for ts in time_scales:
+        rate = _offered_rate(trace, num_requests, ts)
+        for variant, flags in variants.items():
+            out = Path(results) / name / f"x{ts:g}" / variant.replace(" ", "_").replace(":", "-")
+            sim("run", trace, *deployment, "--num-requests", num_requests, "--time-scale", ts, *flags,
+                "--slo-ttft", slo[0], "--slo-tpot", slo[1], "--quiet", "--out", out)
+            s = json.loads((out / "summary.json").read_text())
+            row = {"load": f"{rate:.1f} req/s", "time_scale": ts, SERIES[name]: variant, "rate": rate}
+            row.update({k: s.get(k) for k in FLEET_KEYS})
+            row["per_replica"] = [r["num_requests"] for r in s["replicas"]]
+            dis = s.get("disaggregation")
+            row["transfer_ms"] = dis["mean_transfer_time"] * 1e3 if dis else 0.0
+            row["wait_ms"] = dis["mean_wait_for_decode_memory"] * 1e3 if dis else 0.0
+            rows.append(row)
+            lines.append(line(row))
+    (Path(results) / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return "\n".join(lines)
 
 
 def _offered_rate(trace: str, num_requests: int, time_scale: float) -> float:
@@ -145,22 +160,12 @@ def _offered_rate(trace: str, num_requests: int, time_scale: float) -> float:
 
 def run_routers(scale: str, results: Path) -> str:
     p = SCALES[scale]["routers"]
-    rows, lines = [], []
-    for ts in p["time_scales"]:
-        rate = _offered_rate(ROUTER_TRACE, p["num_requests"], ts)
-        for router in ROUTERS:
-            out = Path(results) / "routers" / f"x{ts:g}" / router
-            sim("run", ROUTER_TRACE, *ROUTER_DEPLOYMENT, "--num-requests", p["num_requests"], "--time-scale", ts,
-                "--replicas", 4, "--router", router, "--slo-ttft", ROUTER_SLO[0], "--slo-tpot", ROUTER_SLO[1],
-                "--quiet", "--out", out)
-            row = _fleet_row(out, load=f"{rate:.1f} req/s", time_scale=ts, router=router)
-            row["rate"] = rate
-            rows.append(row)
-            lines.append(f"{row['load']:>10}  {router:<15} p90 TTFT {row['p90_ttft']:7.2f} s  mean TPOT "
-                         f"{row['mean_tpot'] * 1e3:6.1f} ms  hits {row['prefix_cache_hit_rate']:6.1%}  "
-                         f"meet SLOs {row['slo_attainment']:6.1%}")
-    (Path(results) / "routers.json").write_text(json.dumps(rows, indent=1) + "\n")
-    return "\n".join(lines)
+    variants = {router: ["--replicas", 4, "--router", router] for router in ROUTERS}
+    return _fleet_comparison("routers", ROUTER_TRACE, ROUTER_DEPLOYMENT, ROUTER_SLO, p["num_requests"],
+                             p["time_scales"], variants, results, lambda row: (
+        f"{row['load']:>10}  {row['router']:<15} p90 TTFT {row['p90_ttft']:7.2f} s  mean TPOT "
+        f"{row['mean_tpot'] * 1e3:6.1f} ms  hits {row['prefix_cache_hit_rate']:6.1%}  "
+        f"meet SLOs {row['slo_attainment']:6.1%}"))
 
 
 def _disagg_args(variant: str) -> list:
@@ -173,22 +178,12 @@ def _disagg_args(variant: str) -> list:
 
 def run_disagg(scale: str, results: Path) -> str:
     p = SCALES[scale]["disagg"]
-    rows, lines = [], []
-    for ts in p["time_scales"]:
-        rate = _offered_rate(DISAGG_TRACE, p["num_requests"], ts)
-        for variant in p["variants"]:
-            out = Path(results) / "disagg" / f"x{ts:g}" / variant.replace(" ", "_").replace(":", "-")
-            sim("run", DISAGG_TRACE, *DISAGG_DEPLOYMENT, "--num-requests", p["num_requests"], "--time-scale", ts,
-                *_disagg_args(variant), "--slo-ttft", DISAGG_SLO[0], "--slo-tpot", DISAGG_SLO[1], "--quiet",
-                "--out", out)
-            row = _fleet_row(out, load=f"{rate:.1f} req/s", time_scale=ts, variant=variant)
-            row["rate"] = rate
-            rows.append(row)
-            lines.append(f"{row['load']:>11}  {variant:<17} p90 TTFT {row['p90_ttft'] * 1e3:8.0f} ms  p90 TPOT "
-                         f"{row['p90_tpot'] * 1e3:6.1f} ms  transfer {row['transfer_ms']:5.2f} ms  meet SLOs "
-                         f"{row['slo_attainment']:6.1%}  goodput/GPU {row['goodput_per_gpu']:5.2f}")
-    (Path(results) / "disagg.json").write_text(json.dumps(rows, indent=1) + "\n")
-    return "\n".join(lines)
+    variants = {v: _disagg_args(v) for v in p["variants"]}
+    return _fleet_comparison("disagg", DISAGG_TRACE, DISAGG_DEPLOYMENT, DISAGG_SLO, p["num_requests"],
+                             p["time_scales"], variants, results, lambda row: (
+        f"{row['load']:>11}  {row['variant']:<17} p90 TTFT {row['p90_ttft'] * 1e3:8.0f} ms  p90 TPOT "
+        f"{row['p90_tpot'] * 1e3:6.1f} ms  transfer {row['transfer_ms']:5.2f} ms  meet SLOs "
+        f"{row['slo_attainment']:6.1%}  goodput/GPU {row['goodput_per_gpu']:5.2f}"))
 
 
 RUNNERS = {"allocation": run_allocation, "sharing": run_sharing, "shared_prefix": run_shared_prefix,
