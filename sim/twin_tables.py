@@ -228,13 +228,15 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if rounds and "factors" in rounds[0]:
-        lines += ["| round | fitted on | family | factors | client delay first/last (ms) | calibration runs' "
-                  "served/profile | validation run's served/profile | calibrated model on its steps |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| round | fitted on | family | factors | step jitter sd / corr. | client delay first/last (ms) | "
+                  "calibration runs' served/profile | validation run's served/profile | calibrated model on its steps |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rounds:
             factors = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(r["factors"].items()))
             fed = " + ".join(r["fed"]) if len(r["fed"]) <= 2 else f"all {len(r['fed'])} calibration runs"
-            lines.append(f"| {r['round'] + 1} | {fed} | {r['family']} | {factors} | "
+            jitter = r.get("jitter") or {}
+            jitter_cell = f"{jitter['sigma'] * 100:.1f}% / {jitter['phi']:.2f}" if jitter else "-"
+            lines.append(f"| {r['round'] + 1} | {fed} | {r['family']} | {factors} | {jitter_cell} | "
                          f"{r['client']['first_token_s'] * 1e3:.1f} / {r['client']['last_token_s'] * 1e3:.1f} | "
                          + ", ".join(f"x{x:.3f}" for x in r["calibration_ratios"])
                          + f" | x{r['validation_ratio']:.3f} | x{r['predicted_ratio']:.3f} |")

@@ -1019,11 +1019,12 @@ class DriftingHost:
               "policies": {"queue": "fcfs", "preemption": "recompute", "victim": "newest", "eviction": "lru"}}
     REQUESTS = {"calibration": [(24, 6), (60, 5), (9, 8), (40, 6)], "validation": [(30, 7), (12, 6), (50, 5)]}
 
-    def __init__(self, model: dict, slots: list, drift):
+    def __init__(self, model: dict, slots: list, drift, jitter=None):
         self.grid, self.slots, self.drift = StepCostEvaluator(model), slots, drift
+        self.jitter = jitter          # a StepJitter: each step also x its next factor
 
     def _step(self, recs, t, rid, start, n, speed):
-        dt = self.grid.step_time(*shape_of([start], [n])) * speed
+        dt = self.grid.step_time(*shape_of([start], [n])) * speed * (self.jitter.next() if self.jitter else 1.0)
         recs.append({"kind": "step", "step": len(recs), "t_start": t, "t_end": t + dt, "step_s": dt, "cpu_s": dt,
                      "decision": {"batch": [[rid, start, n, 1, 4]], "preempted": []}})
         return t + dt
@@ -1055,7 +1056,7 @@ class DriftingHost:
         return log, result, {"loadavg_1m_before": 0.0, "loadavg_1m_after": 0.0}
 
 
-def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift) -> tuple[dict, str, dict]:
+def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift, jitter=None) -> tuple[dict, str, dict]:
     """(light scenario's report, the pairing chosen by the held-out check, the check)."""
     from sim.rounds import schedule
     from sim.twin_tables import pick_pairing, scenario_report, serve_all
@@ -1065,7 +1066,7 @@ def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift) -> tuple[dict
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     slots = schedule(["light"], 3, design)
-    runs = serve_all(slots, DriftingHost(profile, slots, drift), tmp_path / "runs")
+    runs = serve_all(slots, DriftingHost(profile, slots, drift, jitter), tmp_path / "runs")
     pairing, check = pick_pairing(slots, runs, profile)
     return scenario_report("light", slots, runs, profile, str(path), tmp_path / "light", pairing), pairing, check
 
@@ -1090,6 +1091,7 @@ def test_interleaved_rounds_track_a_host_that_drifts_and_sequential_ones_do_not(
         assert abs(inter["errors"]["sim vs mean"][k]) < 0.01
         assert abs(inter["errors"]["calibrated once vs mean"][k]) > 0.1
     assert (tmp_path / "interleaved" / "light" / "round2.png").exists()
+    assert all(entry["jitter"]["sigma"] < 1e-9 for entry in inter["rounds"])   # every step alike within a run
     from sim.validate import first_requests_stats
     for r, entry in enumerate(inter["rounds"]):          # the stored per-request latencies are the reported ones
         for side, stats in (("real", inter["real"][r]), ("sim", inter["sim"][r])):
@@ -1118,6 +1120,25 @@ def test_a_host_that_only_jitters_is_calibrated_on_the_whole_session(tmp_path):
     assert all(len(r["fed"]) == 4 for r in report["rounds"])
     assert choose_pairing({"neighbours": [0.01, -0.01], "scenario": [0.01, 0.01], "session": []}) == "neighbours"
     assert choose_pairing({"neighbours": [], "scenario": [], "session": []}) == "neighbours"
+
+
+def test_a_host_whose_steps_jitter_gets_that_jitter_in_its_calibration_and_predictions(tmp_path):
+    """Each step x a log-normal factor (sd 10%, consecutive steps correlated 0.6): the
+    calibrated models carry that spread, the prediction is the mean of jittered simulations
+    (so it differs from the unjittered one), and the per-draw latencies are stored."""
+    from core.cost_fit import StepJitter
+    from sim.validate import JITTER_DRAWS
+
+    report, _, _ = _rounds_on_a_drifting_host(tmp_path, "interleaved", lambda i: 1.1, StepJitter(0.1, 0.6, seed=3))
+    for entry in report["rounds"]:
+        assert entry["jitter"]["sigma"] == pytest.approx(0.1, rel=0.35)
+        assert entry["jitter"]["runs"] == len(entry["fed"])
+        assert len(entry["latencies"]["sim_draws"]) == JITTER_DRAWS
+        assert entry["latencies"]["sim"] == entry["latencies"]["sim_draws"][0]
+    assert report["sim"] != report["no_jitter"]
+    assert "no jitter vs mean" in report["errors"]
+    from sim.twin_tables import markdown
+    assert "| step jitter sd / corr. |" in markdown(report)
 
 
 def test_the_full_profile_grid_times_prefills_of_served_prompt_sizes_in_one_step():
