@@ -255,6 +255,20 @@ def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_pa
     assert sorted(r.output_len for r in trace.requests) == sorted(bench["output_lens"])
     assert sorted(r.prompt_len for r in trace.requests) == sorted(bench["input_lens"])
 
+    # the same real runs against a model with step jitter: the prediction is the mean of
+    # --jitter-draws simulations, and the unjittered one is reported beside it
+    jittered = tmp_path / "jittered.json"
+    jittered.write_text(json.dumps({**json.loads(prof.read_text()), "jitter": {"sigma": 0.2, "phi": 0.5}}))
+    r = subprocess.run([PY, "-m", "sim", "validate", "traces/sharegpt.json", "--cost-model", str(jittered),
+                        "--rate", "8", "--num-requests", "4", "--max-tokens-cap", "4", "--out", str(out),
+                        "--reuse-real", "--jitter-draws", "5"], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "the mean of 5 simulations with step jitter" in r.stdout
+    again = json.loads((out / "report.json").read_text())
+    assert again["jitter_draws"] == 5 and "sim (no jitter) vs mean" in again["errors"]
+    assert again["stats"]["sim (no jitter)"] == pytest.approx(stats["sim"])     # the plain model's run
+    assert again["stats"]["sim"] != again["stats"]["sim (no jitter)"]
+
 
 # ----------------------------------------------------------------------------- decision replay
 
