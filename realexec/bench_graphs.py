@@ -72,9 +72,12 @@ if __name__ == "__main__":
 def add_kernels_arguments(parser) -> None:
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--model", default=None, help="HF dir or GGUF for the graph-vs-eager rows "
+                                                      "(default: embedded SmolLM2)")
 
 
 def run_kernels(args) -> int:
     from realexec.kernels.bench import main as kernels_main
     rc = kernels_main(["--dtype", args.dtype, "--reps", str(args.reps)])
-    return rc or main(["--dtype", args.dtype, "--reps", str(args.reps)])
+    model = ["--model", args.model] if args.model else []
+    return rc or main(["--dtype", args.dtype, "--reps", str(args.reps), *model])
