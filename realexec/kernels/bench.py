@@ -5,7 +5,9 @@ On CUDA it prints one row per (batch size B, context length L) for SmolLM2-like 
 
   split   KV splits used (default_num_kv_splits for this B)
   us      decode_attention kernel time per call (stage 1 + merge), median of CUDA-event
-          samples, each sample one call after flushing L2 (so KV comes from HBM)
+          samples, each sample one replay of the call captured in a CUDA graph after flushing
+          L2 (so KV comes from HBM): GPU time, as graph-replayed decode steps see it
+  eager_us the same call launched from Python: at small shapes the host's launch cost
   GB/s    K+V bytes the call must read (2 * B * L * Hkv * D * elem) / time
   %copy   GB/s relative to a device-to-device copy measured in the same run, counted as
           (bytes read + bytes written) / time, i.e. the achievable DRAM bandwidth
@@ -34,13 +36,23 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def cuda_time_us(fn, warmup: int = 10, reps: int = 50, flush_l2: bool = True) -> float:
+def cuda_time_us(fn, warmup: int = 10, reps: int = 50, flush_l2: bool = True, graph: bool = False) -> float:
     """Median GPU time of one fn() call in microseconds (CUDA events around each call).
-    With flush_l2, a 256 MiB buffer is zeroed before every sample so inputs come from HBM."""
+    With flush_l2, a 256 MiB buffer is zeroed before every sample so inputs come from HBM.
+    With graph, fn is captured once in a CUDA graph and each sample replays it: the time of
+    the kernels alone, without the host's launch cost between the events (decode steps run
+    this way); without it, a kernel shorter than its Python launch is timed as the launch."""
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda") if flush_l2 else None
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+        fn()
+        torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -51,6 +63,16 @@ def cuda_time_us(fn, warmup: int = 10, reps: int = 50, flush_l2: bool = True) ->
         ends[i].record()
     torch.cuda.synchronize()
     return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def warm_up_clocks(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for a while so its clocks leave their idle state before timing."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def wall_time_us(fn, warmup: int = 1, reps: int = 3, **_ignored) -> float:
@@ -118,7 +140,7 @@ def run(device: torch.device, dtype: torch.dtype, batch_sizes, seq_lens, timer, 
     torch_backend = _torch_backend()
     copy_gbs = copy_bandwidth_gbs(device, timer, nbytes=(1 << 30) if device.type == "cuda" else (1 << 24))
     print(f"device-to-device copy: {copy_gbs:,.0f} GB/s (read + write)")
-    header = (f"{'B':>4} {'L':>6} {'split':>5} {'us':>9} {'GB/s':>8} {'%copy':>6} "
+    header = (f"{'B':>4} {'L':>6} {'split':>5} {'us':>9} {'eager_us':>9} {'GB/s':>8} {'%copy':>6} "
               f"{'fwd_us':>9} {'torch_us':>9} {'ratio':>6}")
     print(header)
     print("-" * len(header))
@@ -137,11 +159,12 @@ def run(device: torch.device, dtype: torch.dtype, batch_sizes, seq_lens, timer, 
             def triton_fwd():
                 triton_backend.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], md, scale)
 
-            us = timer(kernel, reps=reps)
+            us = timer(kernel, reps=reps, graph=device.type == "cuda")
+            eager_us = timer(kernel, reps=reps)
             fwd_us = timer(triton_fwd, reps=reps)
             kv_bytes = 2 * B * L * NUM_KV_HEADS * HEAD_DIM * elem
             gbs = kv_bytes / (us * 1e-6) / 1e9
-            row = dict(B=B, L=L, splits=splits, us=us, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+            row = dict(B=B, L=L, splits=splits, us=us, eager_us=eager_us, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
                        fwd_us=fwd_us, torch_us=None, ratio=None)
             if torch_backend is not None:
                 def torch_fwd():
@@ -154,7 +177,7 @@ def run(device: torch.device, dtype: torch.dtype, batch_sizes, seq_lens, timer, 
             rows.append(row)
             t_us = f"{row['torch_us']:9.1f}" if row["torch_us"] is not None else f"{'n/a':>9}"
             ratio = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'n/a':>6}"
-            print(f"{B:>4} {L:>6} {splits:>5} {us:9.1f} {gbs:8.1f} {row['pct_copy']:6.1f} "
+            print(f"{B:>4} {L:>6} {splits:>5} {us:9.1f} {eager_us:9.1f} {gbs:8.1f} {row['pct_copy']:6.1f} "
                   f"{fwd_us:9.1f} {t_us} {ratio}", flush=True)
             del x, out
     return rows
@@ -183,6 +206,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda")
     dtype = DTYPES[args.dtype]
+    warm_up_clocks()
     print(f"decode attention on {torch.cuda.get_device_name(device)}, {args.dtype}, "
           f"Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} block={BLOCK_SIZE}")
     run(device, dtype, [int(b) for b in args.batch_sizes.split(",")],
