@@ -128,13 +128,13 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"identical": same, "of": len(a), "mean_prefix": sum(prefix) / len(prefix)}
 
 
-def run_greedy(model: str, max_tokens: int, out: Path, device: str = "cuda") -> int:
+def run_greedy(model: str, max_tokens: int, out: Path, device: str = "cuda", num_prompts: int | None = None) -> int:
     # TF32 would make the fp32 torch/HF paths differ from each other by more than rounding.
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     results = {}
-    prompts = prompt_ids(model)
+    prompts = prompt_ids(model)[:num_prompts]
     for name, fn in [("triton+graphs", lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device)),
                      ("triton eager", lambda: greedy_tokens(model, prompts, "triton", max_tokens, True, device)),
                      ("torch eager", lambda: greedy_tokens(model, prompts, "torch", max_tokens, True, device)),
@@ -201,10 +201,11 @@ def main(argv=None) -> int:
     g.add_argument("--max-tokens", type=int, default=48)
     g.add_argument("--json", required=True)
     g.add_argument("--device", default="cuda", help="cpu: a smoke run of this step (Triton interpreted)")
+    g.add_argument("--num-prompts", type=int, default=None)
     args = p.parse_args(argv)
 
     if args.inner == "greedy":
-        return run_greedy(args.model, args.max_tokens, Path(args.json), args.device)
+        return run_greedy(args.model, args.max_tokens, Path(args.json), args.device, args.num_prompts)
 
     import torch
     if not torch.cuda.is_available():
