@@ -114,6 +114,11 @@ class Replica(SimEngine):
         self.served: list[int] = []           # trace indices routed here, in routing order
         self._span: Span | None = None
         self._seen_at: float | None = None    # the router's instant (`sync_finishes`), for `outstanding`
+        # `outstanding` as of router instants t in (the instant it was counted, _load_until]:
+        # a count changes only when a pending span's next finishing step starts, or when the
+        # replica moves (a step, a commit, a delivery), which resets _load_until.
+        self._load = 0
+        self._load_until = -math.inf
         # Waiting (idle, or blocked with nothing that fits) until a delivery: the state
         # then, for the gap's accounting (used blocks, counts, memory sample).
         self._waiting: tuple | None = None
@@ -125,10 +130,20 @@ class Replica(SimEngine):
     # -- what the router sees ----------------------------------------------------------
     @property
     def outstanding(self) -> int:
+        seen = self._seen_at
+        if seen is not None and seen <= self._load_until:
+            return self._load
         n = len(self.scheduler.requests) + len(self.inbox)
         span = self._span
-        if span is not None and self._seen_at is not None:
-            n -= span.requests_finished_before(self._seen_at)
+        if span is None:
+            until = math.inf
+        elif seen is None:
+            return n
+        else:
+            n -= span.requests_finished_before(seen)
+            until = span.next_finish_start(seen)
+        if seen is not None:
+            self._load, self._load_until = n, until
         return n
 
     @property
@@ -152,9 +167,13 @@ class Replica(SimEngine):
         finishing step's results apply when it starts): a pending span's requests that
         finish in steps starting before t no longer count (`Span.requests_finished_before`;
         a span whose requests have several sequences is committed through that step)."""
+        if t <= self._load_until:
+            self._seen_at = t                          # the count kept is still the count at t
+            return
         self._seen_at = None
         span = self._span
         if span is None:
+            self._seen_at = t
             return
         if span.plan.num_requests == span.plan.num_seqs:
             self._seen_at = t                          # `outstanding` subtracts them, uncommitted
@@ -173,7 +192,7 @@ class Replica(SimEngine):
         self.inbox.append(request)
         self.served.append(request.user_data)
         span = self._span
-        self.quiet_until = -math.inf
+        self.quiet_until = self._load_until = -math.inf
         if span is not None and span.cut is None:
             span.cut = span.steps_started_before(now)
         else:
@@ -255,6 +274,7 @@ class Replica(SimEngine):
             # in sim.engine (core.event_skipping.schedule_steady_step).
             steady = self._steady
             step = schedule_steady_step(sched, steady, clock) if steady is not None else None
+            self._load_until = -math.inf             # a step may finish or reject requests
             if step is None:
                 self._steady = None
                 out = sched.schedule(clock)
@@ -299,6 +319,7 @@ class Replica(SimEngine):
         if plan is None or plan.horizon <= 0:
             return False
         span = Span(self, plan)
+        self._load_until = -math.inf                 # its finishes will count
         horizon = plan.horizon
         if a == math.inf or horizon == 1:
             span.extend(horizon)                     # nothing can cut it, or one step
@@ -317,6 +338,7 @@ class Replica(SimEngine):
         i0 = span.done
         if k <= i0:
             return
+        self._load_until = -math.inf
         sched = self.scheduler
         span.account(self, k)
         if not last:
@@ -402,7 +424,10 @@ class Fleet:
                 r.sync(now)
         else:
             for r in replicas:
-                r.sync_finishes(now)
+                if now > r._load_until:
+                    r.sync_finishes(now)
+                else:
+                    r._seen_at = now
         return replicas[self.router.choose(request, replicas)]
 
     def _route_instant(self, t: float) -> None:

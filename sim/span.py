@@ -143,6 +143,17 @@ class Span:
         steps = self.finish_steps
         return cum[bisect_left(steps, self.steps_started_before(t))] - cum[bisect_left(steps, self.done)]
 
+    def next_finish_start(self, t: float) -> float:
+        """The last router instant from t on at which `requests_finished_before` still gives
+        its value at t: the start of the next finishing step not yet started before t
+        (the planned end when that step is not planned yet; inf when none is left)."""
+        steps = self.finish_steps
+        j = bisect_left(steps, self.steps_started_before(t))
+        if j == len(steps):
+            return float("inf")
+        f = steps[j]
+        return self.end_of(f) if f < len(self.ends) else self.ends[-1]
+
     # -- committing -------------------------------------------------------------------------
     def account(self, engine, k: int) -> None:
         """Add steps [done, k) to the engine's integrals (`memory.w`, request-seconds,

@@ -168,6 +168,20 @@ def test_least_requests_sees_the_fleet_as_of_each_arrival():
     assert res.replica_of == [0, 1, 2] * 4
 
 
+@pytest.mark.parametrize("n", [3, 8])
+def test_least_requests_on_a_busy_trace_routes_alike_with_and_without_event_skipping(n):
+    """Real lengths at a rate that keeps every replica busy: replicas not chosen at an
+    arrival run spans past finishes until the next one, and the outstanding counts the
+    router reads (kept between arrivals while nothing changes them) must be those of the
+    step-by-step run at every arrival."""
+    trace = retime(load_trace(SHAREGPT), rate=12.0 * n, num_requests=400)
+    config = replace(SMALL, num_gpu_blocks=4000, max_num_seqs=64)
+    skip, step = (simulate_fleet(FleetConfig(replace(config, event_skipping=s), n, "least-requests"), trace)
+                  for s in (True, False))
+    assert skip.replica_of == step.replica_of
+    assert skip.records == step.records
+
+
 def test_fleet_summary_has_per_replica_blocks(sharegpt):
     res = simulate_fleet(FleetConfig(SMALL, 2, "least-kv"), sharegpt)
     s = fleet_summary(res)
