@@ -32,11 +32,13 @@ metrics, time-weighted statistics and memory breakdowns (tested).
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import os
 import sys
 from array import array
+from contextlib import contextmanager
 from itertools import chain
 from dataclasses import asdict, dataclass, field
 
@@ -222,6 +224,39 @@ def synthetic_prompt(index: int, length: int) -> list[int]:
     prompt = [1] * length                  # -> [PROMPT_ID_BASE + index, 1, ..., 1]
     prompt[0] = PROMPT_ID_BASE + index
     return prompt
+
+
+_gc_depth = 0
+
+
+@contextmanager
+def gc_tuned_for_run(replicas: int = 1):
+    """Garbage-collector settings for one simulation run (re-entrant: a fleet runs engines).
+
+    - What exists when the run starts (the trace, the block pools' per-block lists, a
+      fleet's replicas) is frozen out of the cyclic collector's view for the run: otherwise
+      every full collection walks it again (16 replicas hold 16 x 6 lists of ~29k entries).
+    - A fleet of N replicas allocates N times faster per simulated second than one engine,
+      so with the default young-generation threshold a request's prompt and token lists are
+      still alive at a young collection N times as often (10.2M list entries walked vs 1.4M
+      for the same 6,000 requests run one replica at a time): the threshold is scaled by N,
+      so each request lives through as many young collections as under a single engine.
+    Objects made during the run are collected as usual; reference counting still frees
+    acyclic garbage at once."""
+    global _gc_depth
+    saved = gc.get_threshold()
+    if _gc_depth == 0:
+        gc.freeze()
+    if replicas > 1:
+        gc.set_threshold(saved[0] * replicas, *saved[1:])
+    _gc_depth += 1
+    try:
+        yield
+    finally:
+        _gc_depth -= 1
+        gc.set_threshold(*saved)
+        if _gc_depth == 0:
+            gc.unfreeze()
 
 
 class SimEngine:
@@ -701,6 +736,10 @@ class SimEngine:
 
     # -- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:
+        with gc_tuned_for_run():
+            return self._run()
+
+    def _run(self) -> SimResult:
         n = len(self.arrivals)
         if self.progress:
             from tqdm import tqdm

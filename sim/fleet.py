@@ -49,7 +49,8 @@ from core import Request
 from core.event_skipping import fast_forward, renew_steady_plan, schedule_steady_step, update_steady_step
 from core.metrics import summarize
 from policies import make as make_policy
-from sim.engine import _EMPTY_RESULT, CHECK_SPANS, ResolvedConfig, SimConfig, SimEngine, SimResult, resolve
+from sim.engine import (_EMPTY_RESULT, CHECK_SPANS, ResolvedConfig, SimConfig, SimEngine, SimResult,
+                        gc_tuned_for_run, resolve)
 from sim.memory import sample as memory_sample
 from sim.span import Span
 from traces import Trace
@@ -469,7 +470,8 @@ class Fleet:
         for r in self.replicas:
             r._pbar = pbar
         try:
-            self._drive()
+            with gc_tuned_for_run(len(self.replicas)):
+                self._drive()
         finally:
             if pbar is not None:
                 pbar.close()

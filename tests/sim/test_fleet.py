@@ -318,3 +318,29 @@ def test_an_arrival_exactly_at_a_step_boundary_enters_at_that_boundary(skipping)
     assert res.replica_of == [0, 1, 0]
     assert res.records[2].first_scheduled_time == boundary
     assert [res.records[0], res.records[2]] == alone.records
+
+
+def test_runs_tune_the_garbage_collector_and_leave_it_as_they_found_it(sharegpt):
+    """A fleet scales the young-generation threshold by its replica count and freezes the
+    state that existed before the run (sim.engine.gc_tuned_for_run); afterwards, and after
+    a run that fails, thresholds and the frozen set are back as they were."""
+    import gc
+
+    from sim.fleet import Fleet
+    before = gc.get_threshold()
+    fleet = Fleet(FleetConfig(SMALL, 3, "least-requests"), sharegpt)
+    seen = []
+    inner = fleet.router.choose
+    fleet.router.choose = lambda req, reps: seen.append((gc.get_threshold(), gc.get_freeze_count())) or inner(req, reps)
+    fleet.run()
+    assert {t for t, _ in seen} == {(before[0] * 3, *before[1:])}
+    assert all(frozen > 0 for _, frozen in seen)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+    def boom(req, reps):
+        raise RuntimeError("router failed")
+    fleet = Fleet(FleetConfig(SMALL, 2, "least-requests"), sharegpt)
+    fleet.router.choose = boom
+    with pytest.raises(RuntimeError, match="router failed"):
+        fleet.run()
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
