@@ -141,8 +141,8 @@ class Replica(SimEngine):
         elif seen is None:
             return n
         else:
-            n -= span.requests_finished_before(seen)
-            until = span.next_finish_start(seen)
+            finished, until = span.requests_finished_before(seen)
+            n -= finished
         if seen is not None:
             self._load, self._load_until = n, until
         return n

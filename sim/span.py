@@ -128,9 +128,12 @@ class Span:
         """Do sequences reach their length limit in this step?"""
         return step in self._leaving or (step == self.horizon - 1 and self.finishes)
 
-    def requests_finished_before(self, t: float) -> int:
-        """Requests (one sequence each) that finish in the steps not yet committed that start
-        before t. (A span cut by a delivery is committed before the next arrival instant.)"""
+    def requests_finished_before(self, t: float) -> tuple[int, float]:
+        """(requests, until): the requests (one sequence each) that finish in the steps not
+        yet committed that start before t, and the last instant from t on at which that
+        number is still the same: the start of the next finishing step not started before
+        t (the planned end when that step is not planned yet; inf when none is left). (A
+        span cut by a delivery is committed before the next arrival instant.)"""
         cum = self._finish_counts
         if cum is None:
             counts = {f: len(v) for f, v in self._leaving.items()}
@@ -140,19 +143,14 @@ class Span:
             for f in self.finish_steps:
                 cum.append(cum[-1] + counts[f])
             self._finish_counts = cum
-        steps = self.finish_steps
-        return cum[bisect_left(steps, self.steps_started_before(t))] - cum[bisect_left(steps, self.done)]
-
-    def next_finish_start(self, t: float) -> float:
-        """The last router instant from t on at which `requests_finished_before` still gives
-        its value at t: the start of the next finishing step not yet started before t
-        (the planned end when that step is not planned yet; inf when none is left)."""
-        steps = self.finish_steps
-        j = bisect_left(steps, self.steps_started_before(t))
+        steps, ends = self.finish_steps, self.ends
+        started = 0 if t <= self.start else min(len(ends), bisect_left(ends, t) + 1)
+        j = bisect_left(steps, started)
+        finished = cum[j] - cum[bisect_left(steps, self.done)]
         if j == len(steps):
-            return float("inf")
+            return finished, float("inf")
         f = steps[j]
-        return self.end_of(f) if f < len(self.ends) else self.ends[-1]
+        return finished, (ends[f - 1] if f else self.start) if f < len(ends) else ends[-1]
 
     # -- committing -------------------------------------------------------------------------
     def account(self, engine, k: int) -> None:
