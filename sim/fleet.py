@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import sys
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -82,8 +83,9 @@ class FleetConfig:
 # arrival (the estimate as in sim.engine), at least MIN_CHUNK; while the router sends
 # requests elsewhere, the plan grows to the next arrival, by at least a quarter
 # (`span_chunk`: planning past a cut only prices steps, so a small overshoot beats many
-# small extensions).
+# small extensions), and on to the next finishing step when it is near (`reach_next_finish`).
 MIN_CHUNK = 8
+FINISH_REACH = 4
 
 
 def span_chunk(span: "Span", a: float) -> int:
@@ -92,7 +94,20 @@ def span_chunk(span: "Span", a: float) -> int:
     left = span.horizon - planned
     if a == math.inf:
         return left
-    return min(left, max(int((a - span.ends[-1]) / span.durations[-1]) + 2, planned // 4))
+    return min(left, reach_next_finish(span, planned, max(int((a - span.ends[-1]) / span.durations[-1]) + 2,
+                                                          planned // 4)))
+
+
+def reach_next_finish(span: "Span", planned: int, need: int) -> int:
+    """Steps to plan past `planned`: `need`, or on to the end of the next finishing step
+    when that is at most FINISH_REACH times as far. The router's count of the replica stays
+    valid until that step starts, so arrivals before it need not touch the replica (Azure
+    conversation trace, 16 replicas: 4% fewer instructions)."""
+    steps = span.finish_steps
+    j = bisect_left(steps, planned + need - 1)
+    if j < len(steps):
+        need = max(need, min(steps[j] + 1 - planned, FINISH_REACH * need))
+    return need
 
 
 class Replica(SimEngine):
@@ -327,7 +342,7 @@ class Replica(SimEngine):
         else:
             # Steps never get shorter as contexts grow: at most (a - start) / first + 1 start before a.
             first = self.executor.decode_step_times(plan.num_seqs, plan.context_sum, 1)[0]
-            span.extend(min(horizon, max(MIN_CHUNK, int((a - span.start) / first) + 2)))
+            span.extend(min(horizon, reach_next_finish(span, 0, max(MIN_CHUNK, int((a - span.start) / first) + 2))))
         self._span = span
         return True
 
