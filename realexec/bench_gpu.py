@@ -11,6 +11,8 @@ fails or runs out of time is reported and the next one still runs):
   3. attention `bench kernels`: decode-attention bandwidth table, decode step graph vs eager
   4. throughput `bench throughput`: ours vs HF generate on ShareGPT, then our engine eager and
                with the torch attention backend, for the graph and kernel speed-ups end to end
+  5. serve     `realexec serve` and `bench serve` against it (ShareGPT, 400 requests at 16
+               req/s and all at once, streamed over HTTP)
 
 The embedded SmolLM2 GGUF is used when installed. A box that cannot receive it (it is larger
 than what a lent machine is sent) gets `--random-from DIR`: a directory with SmolLM2's
@@ -153,6 +155,53 @@ def run_greedy(model: str, max_tokens: int, out: Path, device: str = "cuda", num
     return 0 if all(a["mean_prefix"] >= 0.9 for a in table.values()) else 1
 
 
+# ----------------------------------------------------------------------------- serve step
+
+def run_serve(model: str, out: Path, num_requests: int, rates: list[str], max_tokens_cap: int,
+              port: int = 8765, start_timeout: float = 180.0) -> int:
+    """`realexec serve` on this box and `bench serve` against it at each rate (the OpenAI
+    server, streaming, and the engine loop on CUDA end to end). The server is ours to stop:
+    by its process, also when something fails."""
+    import urllib.request
+
+    py, url = sys.executable, f"http://127.0.0.1:{port}"
+    log = (out / "server.log").open("w")
+    server = subprocess.Popen([py, "-m", "realexec", "serve", "--model", model, "--port", str(port)],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if server.poll() is not None:
+                print(f"server exited with {server.returncode} before it was ready (see {log.name})")
+                return 1
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.perf_counter() - t0 > start_timeout:
+                print(f"server not ready after {start_timeout:.0f} s")
+                return 1
+            time.sleep(0.5)
+        print(f"server ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        rc = 0
+        for rate in rates:
+            r = subprocess.run([py, "-m", "realexec", "bench", "serve", "--url", url, "--num-requests",
+                                str(num_requests), "--rate", rate, "--max-tokens-cap", str(max_tokens_cap),
+                                "--save-result", str(out / f"serve_rate_{rate}.json")], cwd=ROOT)
+            rc = rc or r.returncode
+        return rc
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
 # ----------------------------------------------------------------------------- orchestration
 
 def _step(name: str, cmd: list[str], limit: float, log: Path, env: dict | None = None) -> dict:
@@ -193,7 +242,7 @@ def main(argv=None) -> int:
                    help="dir with a config.json + tokenizer: benchmark a random-weight model of its shapes")
     p.add_argument("--out", default="results/gpu", help="logs and JSON results [results/gpu]")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps together [480]")
-    p.add_argument("--steps", default="kernels,greedy,attention,throughput")
+    p.add_argument("--steps", default="kernels,greedy,attention,throughput,serve")
     p.add_argument("--greedy-tokens", type=int, default=48)
     sub = p.add_subparsers(dest="inner")
     g = sub.add_parser("greedy", help=argparse.SUPPRESS)
@@ -202,8 +251,18 @@ def main(argv=None) -> int:
     g.add_argument("--json", required=True)
     g.add_argument("--device", default="cuda", help="cpu: a smoke run of this step (Triton interpreted)")
     g.add_argument("--num-prompts", type=int, default=None)
+    v = sub.add_parser("serve", help=argparse.SUPPRESS)
+    v.add_argument("model")
+    v.add_argument("--out", required=True)
+    v.add_argument("--num-requests", type=int, default=400)
+    v.add_argument("--rates", default="16,inf")
+    v.add_argument("--max-tokens-cap", type=int, default=256)
+    v.add_argument("--port", type=int, default=8765)
     args = p.parse_args(argv)
 
+    if args.inner == "serve":
+        return run_serve(args.model, Path(args.out), args.num_requests, args.rates.split(","),
+                         args.max_tokens_cap, args.port)
     if args.inner == "greedy":
         return run_greedy(args.model, args.max_tokens, Path(args.json), args.device, args.num_prompts)
 
@@ -238,6 +297,7 @@ def main(argv=None) -> int:
         "attention": ([py, "-m", "realexec", "bench", "kernels", "--model", model], 120, None),
         "throughput": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests", "256",
                         "--max-tokens-cap", "128", "--hf-batch-size", "64", "--output-json", str(out / "throughput.json")], 150, None),
+        "serve": ([py, "-m", "realexec.bench_gpu", "serve", model, "--out", str(out)], 150, None),
         "throughput-eager": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests",
                               "256", "--max-tokens-cap", "128", "--skip-hf", "--enforce-eager",
                               "--output-json", str(out / "throughput_eager.json")], 60, None),

@@ -28,15 +28,18 @@ Cost. Replicas skip steady decode spans as the single engine does, spans include
 with the step in which sequences reach their length limit (the next span follows at once). A
 replica does not know whether the next arrival is its own: a span is planned to cover the
 next arrival and kept pending while the router sends requests elsewhere (its plan then grows
-to the next arrival, by at least a quarter), and it is cut short (`Span.cut`) when a request
-is routed to it. Planning only prices steps and stamps their end times; their accounting
-(blocks, memory integrals) runs once, when they are committed (`sim.span`). So a replica
-pays for its own arrivals and finishes only, plus a constant per arrival instant, and a
-fleet of N replicas costs about N single replicas serving 1/N of the load each, plus the
-router's look at every replica at every arrival (measured in README's Speed); routers that
-read KV state add one partial commit per replica and arrival. Other routers still see
-finishes as of each arrival: the requests a pending span finishes in steps that started
-before the arrival no longer count (`sync_finishes`).
+to the next arrival, by at least a quarter, and on to the next finishing step when that is
+near), and it is cut short (`Span.cut`) when a request is routed to it. Planning only prices
+steps and stamps their end times; their accounting (blocks, memory integrals) runs once,
+when they are committed (`sim.span`). So a replica pays for its own arrivals and finishes
+only, plus a constant per arrival instant, and a fleet of N replicas costs about N single
+replicas serving 1/N of the load each, plus the router's look at every replica at every
+arrival (measured in README's Speed); routers that read KV state add one partial commit per
+replica and arrival. Other routers still see finishes as of each arrival: the requests a
+pending span finishes in steps that started before the arrival no longer count
+(`sync_finishes`). That count is kept between arrivals (`Replica._load_until`) until the
+pending span's next finishing step starts or the replica moves (a step, a commit, a new
+span, a delivery), so most arrivals read most replicas without a bisect.
 """
 from __future__ import annotations
 

@@ -34,7 +34,9 @@ import triton.language as tl
 from .decode_attention import LOG2E, dot_precision
 
 
-@triton.jit
+# The block-table width changes from step to step: no recompile when it happens to be 1 or a
+# multiple of 16 (Triton specializes integer arguments on those by default).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,                      # [T, Hq, D]
     k_cache_ptr, v_cache_ptr,   # [num_blocks, block_size, Hkv, D]

@@ -470,6 +470,24 @@ def test_decode_through_graph_runner_padding_path_matches_plain(tiny):
     assert calls and max(calls) == 4              # decode batches went through the padded path
 
 
+def test_prefill_kernel_warm_up_writes_nothing_and_changes_no_output(tiny):
+    """The start-up warm-up (run on CUDA with the Triton backend so the first request does
+    not wait for kernel compilation) is a forward over the real cache: run here under the
+    Triton interpreter, it must leave every cache block as it was and later outputs alike."""
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = tiny_llm(tiny, attention_backend="triton")
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    worker = llm.engine.executor.driver
+    for k, v in worker.gpu_cache:
+        k.normal_()
+        v.normal_()                             # blocks with content, block 0 included
+    snapshot = [(k.clone(), v.clone()) for k, v in worker.gpu_cache]
+    worker.warm_up_prefill_kernels()
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(worker.gpu_cache, snapshot))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
+
+
 # ----------------------------------------------------------------------------- min_tokens
 
 def _rows(specs):
