@@ -470,6 +470,30 @@ def test_decode_through_graph_runner_padding_path_matches_plain(tiny):
     assert calls and max(calls) == 4              # decode batches went through the padded path
 
 
+def test_fast_decoder_is_the_tokenizers_decode():
+    """Detokenization calls the Rust tokenizer directly (`decoder_of`) only where that is
+    what transformers' decode returns: equal on random windows, special tokens included;
+    a tokenizer that cleans up spaces keeps transformers' decode."""
+    import random
+
+    from realexec.engine import decoder_of
+    from realexec.loader import load_tokenizer
+
+    tok = load_tokenizer(model_dir(None))
+    decode = decoder_of(tok)
+    assert decode == tok.backend_tokenizer.decode
+    rng = random.Random(0)
+    specials = tok.all_special_ids
+    for _ in range(3000):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(8))]
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    tok.clean_up_tokenization_spaces = True
+    assert decoder_of(tok) == tok.decode
+    assert decoder_of(None) is None
+
+
 def test_prefill_kernel_warm_up_writes_nothing_and_changes_no_output(tiny):
     """The start-up warm-up (run on CUDA with the Triton backend so the first request does
     not wait for kernel compilation) is a forward over the real cache: run here under the
