@@ -480,29 +480,41 @@ MIN_JITTER_STEPS = 20            # per run: a shorter run says little about corr
 def fit_step_jitter(runs: Sequence[Sequence[Sequence]], factors: dict[str, float]) -> dict:
     """The jitter section from calibration runs (each a list of ServedStep rows in step
     order) and the served factors fitted on them: sigma (sd of the demeaned log residual),
-    phi (lag-1 autocorrelation within runs, clipped to [0, 0.999]), n (steps), runs."""
+    phi (lag-1 autocorrelation within runs, clipped to [0, 0.999]), run_sigma (sd across
+    runs of each run's mean log residual: how much a whole run's host state moves its
+    speed; 0 with fewer than two runs), n (steps), runs."""
     dev: list[list[float]] = []
+    means: list[float] = []
     for rows in runs:
         logs = [math.log(m / (p * served_factor(factors, ph, sq, tk)))
                 for ph, sq, tk, p, m in map(ServedStep._make, rows) if p > 0 and m > 0]
         if len(logs) >= MIN_JITTER_STEPS:
             mean = sum(logs) / len(logs)
+            means.append(mean)
             dev.append([x - mean for x in logs])
     n = sum(map(len, dev))
     if not n:
-        return {"sigma": 0.0, "phi": 0.0, "n": 0, "runs": 0}
+        return {"sigma": 0.0, "phi": 0.0, "run_sigma": 0.0, "n": 0, "runs": 0}
     var = sum(x * x for d in dev for x in d) / n
     lag = sum(a * b for d in dev for a, b in zip(d, d[1:]))
     pairs = sum(len(d) - 1 for d in dev)
     phi = lag / pairs / var if var > 0 and pairs else 0.0
-    return {"sigma": math.sqrt(var), "phi": min(max(phi, 0.0), 0.999), "n": n, "runs": len(dev)}
+    run_sigma = 0.0
+    if len(means) >= 2:
+        mbar = sum(means) / len(means)
+        run_sigma = math.sqrt(sum((m - mbar) ** 2 for m in means) / (len(means) - 1))
+    return {"sigma": math.sqrt(var), "phi": min(max(phi, 0.0), 0.999), "run_sigma": run_sigma, "n": n,
+            "runs": len(dev)}
 
 
 class StepJitter:
     """Multiplicative step-time noise with a jitter section's sd and step-to-step
     correlation: x_t = phi x_{t-1} + sqrt(1 - phi^2) sigma e_t (e_t standard normal, x_0
     drawn from the stationary law), factor_t = exp(x_t - sigma^2 / 2), whose mean is 1.
-    Seeded: the same seed gives the same factors."""
+    Seeded: the same seed gives the same factors. (The section's run_sigma, whole runs'
+    spread, is not drawn: tried on four twin sessions' stored runs, a per-run factor moved
+    the pooled queueing bias 2 points towards 0 but no session's error, and added about
+    +-2% of Monte Carlo noise to a 16-draw prediction.)"""
 
     def __init__(self, sigma: float, phi: float, seed: int):
         self.sigma, self.phi = sigma, phi
@@ -554,14 +566,18 @@ def check_model(model: dict, where: str = "cost model") -> None:
 
 
 def jitter_params(model: dict, where: str = "cost model") -> tuple[float, float] | None:
-    """(sigma, phi) of the model's jitter section; None without one."""
+    """(sigma, phi) of the model's jitter section; None without one. (Its run_sigma, where
+    present, is reported, not drawn: see StepJitter.)"""
     jitter = model.get("jitter")
     if jitter is None:
         return None
     sigma, phi = (jitter.get(k) if isinstance(jitter, dict) else None for k in ("sigma", "phi"))
+    run_sigma = jitter.get("run_sigma", 0.0) if isinstance(jitter, dict) else None
     if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0 or \
-            not isinstance(phi, (int, float)) or not 0 <= phi < 1:
-        raise ValueError(f"{where}: jitter: sigma must be finite and >= 0 and phi in [0, 1), got {jitter!r}")
+            not isinstance(phi, (int, float)) or not 0 <= phi < 1 or \
+            not isinstance(run_sigma, (int, float)) or not math.isfinite(run_sigma) or run_sigma < 0:
+        raise ValueError(f"{where}: jitter: sigma and run_sigma must be finite and >= 0 and phi in [0, 1), "
+                         f"got {jitter!r}")
     return float(sigma), float(phi)
 
 

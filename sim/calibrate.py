@@ -13,7 +13,8 @@ copy of the profile with two more sections:
     logged steps' seconds to the profile's prediction for the same shapes; the family is chosen by
     k-fold held-out error of the total time (`core.cost_fit.fit_served_scale`), printed;
   * `jitter`: how much served steps scatter around that prediction within a run (sd of
-    the log ratio, step-to-step correlation), drawn per step by `--jitter-seed`;
+    the log ratio, step-to-step correlation), drawn per step by `--jitter-seed`, and how
+    much whole runs do (`run_sigma`: sd of the runs' mean log ratios; reported, not drawn);
   * `client`: the median extra seconds between the engine making a request's first / last
     token (measured from when the request reached the server) and the client receiving
     it (HTTP in, streaming out); `sim validate` adds them to the simulated latencies.
@@ -148,7 +149,8 @@ def format_report(model: dict) -> str:
     jitter = model.get("jitter")
     if jitter:
         lines.append(f"step jitter within a run (--jitter-seed): sd {jitter['sigma'] * 100:.1f}% of a step's time, "
-                     f"lag-1 correlation {jitter['phi']:.2f} ({jitter['n']} steps of {jitter['runs']} runs)")
+                     f"lag-1 correlation {jitter['phi']:.2f} ({jitter['n']} steps of {jitter['runs']} runs); "
+                     f"whole runs differ by sd {jitter.get('run_sigma', 0.0) * 100:.1f}% (host state; not drawn)")
     lines.append(f"client delay (median over {client['n']} requests): first token +{client['first_token_s'] * 1e3:.1f} ms, "
                  f"last token +{client['last_token_s'] * 1e3:.1f} ms after the engine made it")
     return "\n".join(lines)

@@ -65,10 +65,28 @@ def test_the_fit_recovers_the_spread_and_correlation_within_runs_not_between_the
     assert fit["n"] == 9000 and fit["runs"] == 3
     # a short run says nothing about correlation and is left out; no run at all: no jitter
     assert fit_step_jitter(runs + [runs[0][:5]], factors)["runs"] == 3
-    assert fit_step_jitter([runs[0][:5]], factors) == {"sigma": 0.0, "phi": 0.0, "n": 0, "runs": 0}
+    assert fit_step_jitter([runs[0][:5]], factors) == {"sigma": 0.0, "phi": 0.0, "run_sigma": 0.0, "n": 0,
+                                                        "runs": 0}
     # anti-correlated residuals (alternating) are not a slow stretch: phi clips at 0
     alt = [[ServedStep("decode", 1, 1, 0.05, 0.05 * 1.2 * (1.1 if i % 2 else 0.9)) for i in range(100)]]
     assert fit_step_jitter(alt, {"decode": 1.2})["phi"] == 0.0
+
+
+def test_the_fit_measures_how_much_whole_runs_differ():
+    """run_sigma: the sd of the runs' mean log residuals (their host state), apart from the
+    step jitter within them; one run gives none. (Reported by `sim calibrate`: how well any
+    one run can be predicted at best.)"""
+    import random
+    rng = random.Random(5)
+    offsets = [math.exp(rng.gauss(0.0, 0.08)) for _ in range(40)]
+    runs, factors = _runs(0.05, 0.5, offsets, n=300)
+    logs = [math.log(o) for o in offsets]
+    mean = sum(logs) / len(logs)
+    expected = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    fit = fit_step_jitter(runs, factors)
+    assert fit["run_sigma"] == pytest.approx(expected, rel=0.1)
+    assert fit["sigma"] == pytest.approx(0.05, rel=0.1)
+    assert fit_step_jitter(runs[:1], factors)["run_sigma"] == 0.0
 
 
 def _model(tmp_path, jitter: dict | None) -> str:
