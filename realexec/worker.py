@@ -206,18 +206,9 @@ class Worker:
         num_seqs = max(1, min(args.max_num_seqs, num_tokens))
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        from realexec.attention import AttentionMetadata
         dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=dev),
-            block_size=args.block_size, max_query_len=max(lens), max_seq_len=max(lens),
-            query_lens_cpu=lens, seq_lens_cpu=lens)
+        md = self._whole_prompts_metadata(lens, table_width=1)
+        starts = list(accumulate(lens, initial=0))
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         received = None if self.pp.is_first else torch.zeros(
@@ -261,19 +252,25 @@ class Worker:
         (slots -1) and reads block 0 (the output is dropped); decode kernels compile when the
         graphs are captured, or on the first eager decode. (Tensor-parallel ranks all run it:
         its all-reduces pair up.)"""
-        args = self.args
-        from realexec.attention import AttentionMetadata
-        dev, n = self.device, args.block_size + 1
-        md = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(1, 2, dtype=torch.int32, device=dev),
-            block_size=args.block_size, max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n])
+        dev, n = self.device, self.args.block_size + 1
+        md = self._whole_prompts_metadata([n], table_width=2)
         with torch.inference_mode():
             self.model(torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev), self.gpu_cache, md)
         if dev.type == "cuda":
             torch.cuda.synchronize()
+
+    def _whole_prompts_metadata(self, lens: list[int], table_width: int):
+        """Attention metadata of dummy whole prompts (context 0) that write no KV (slots -1)
+        and whose block tables point at block 0: for forwards whose output is dropped."""
+        from realexec.attention import AttentionMetadata
+        dev, starts = self.device, list(accumulate(lens, initial=0))
+        return AttentionMetadata(
+            slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(len(lens), table_width, dtype=torch.int32, device=dev),
+            block_size=self.args.block_size, max_query_len=max(lens), max_seq_len=max(lens),
+            query_lens_cpu=lens, seq_lens_cpu=lens)
 
     def _maybe_capture_decode_graphs(self, num_gpu_blocks: int) -> None:
         """On CUDA with a shape-only attention backend, decode replays captured graphs (one

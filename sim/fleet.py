@@ -38,8 +38,8 @@ arrival (measured in README's Speed); routers that read KV state add one partial
 replica and arrival. Other routers still see finishes as of each arrival: the requests a
 pending span finishes in steps that started before the arrival no longer count
 (`sync_finishes`). That count is kept between arrivals (`Replica._load_until`) until the
-pending span's next finishing step starts or the replica moves (a step, a commit, a new
-span, a delivery), so most arrivals read most replicas without a bisect.
+pending span's next finishing step starts or the replica moves (a step, a new span, a
+delivery), so most arrivals read most replicas without a bisect.
 """
 from __future__ import annotations
 
@@ -140,7 +140,9 @@ class Replica(SimEngine):
         self._seen_at: float | None = None    # the router's instant (`sync_finishes`), for `outstanding`
         # `outstanding` as of router instants t in (the instant it was counted, _load_until]:
         # a count changes only when a pending span's next finishing step starts, or when the
-        # replica moves (a step, a commit, a delivery), which resets _load_until.
+        # replica takes a normal step, starts a span or gets a delivery, which reset
+        # _load_until. (A commit does not: it moves requests the count already left out
+        # from the pending span to the scheduler.)
         self._load = 0
         self._load_until = -math.inf
         # Waiting (idle, or blocked with nothing that fits) until a delivery: the state
@@ -191,9 +193,6 @@ class Replica(SimEngine):
         finishing step's results apply when it starts): a pending span's requests that
         finish in steps starting before t no longer count (`Span.requests_finished_before`;
         a span whose requests have several sequences is committed through that step)."""
-        if t <= self._load_until:
-            self._seen_at = t                          # the count kept is still the count at t
-            return
         self._seen_at = None
         span = self._span
         if span is None:
@@ -363,7 +362,6 @@ class Replica(SimEngine):
         i0 = span.done
         if k <= i0:
             return
-        self._load_until = -math.inf
         sched = self.scheduler
         span.account(self, k)
         if not last:
@@ -449,10 +447,10 @@ class Fleet:
                 r.sync(now)
         else:
             for r in replicas:
-                if now > r._load_until:
-                    r.sync_finishes(now)
+                if now <= r._load_until:
+                    r._seen_at = now                 # the count it kept is still its count now
                 else:
-                    r._seen_at = now
+                    r.sync_finishes(now)
         return replicas[self.router.choose(request, replicas)]
 
     def _route_instant(self, t: float) -> None:

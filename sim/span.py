@@ -143,14 +143,13 @@ class Span:
             for f in self.finish_steps:
                 cum.append(cum[-1] + counts[f])
             self._finish_counts = cum
-        steps, ends = self.finish_steps, self.ends
-        started = 0 if t <= self.start else min(len(ends), bisect_left(ends, t) + 1)
-        j = bisect_left(steps, started)
+        steps = self.finish_steps
+        j = bisect_left(steps, self.steps_started_before(t))
         finished = cum[j] - cum[bisect_left(steps, self.done)]
         if j == len(steps):
             return finished, float("inf")
         f = steps[j]
-        return finished, (ends[f - 1] if f else self.start) if f < len(ends) else ends[-1]
+        return finished, self.end_of(f) if f < len(self.ends) else self.ends[-1]
 
     # -- committing -------------------------------------------------------------------------
     def account(self, engine, k: int) -> None:
