@@ -339,11 +339,9 @@ class LLMEngine:
                              request.is_finished, request.metrics)
 
     def _detokenize(self, seq: Sequence, st: _SeqText) -> None:
-        tok = self.tokenizer
-        ids = seq.token_ids
-        if tok is None or st.read_offset >= len(ids):
+        decode, ids = self._decode, seq.token_ids
+        if decode is None or st.read_offset >= len(ids):
             return
-        decode = self._decode
         prefix = decode(ids[st.prefix_offset:st.read_offset], skip_special_tokens=True)
         full = decode(ids[st.prefix_offset:], skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
