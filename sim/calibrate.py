@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from core.cost_fit import (ServedStep, StepCostEvaluator, check_model, fit_served_scale, fit_step_jitter, phase_of,
-                           shape_of, summarize_errors)
+                           served_factor, shape_of, summarize_errors)
 from core.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
 
@@ -85,6 +85,19 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> li
         predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
         rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, s[key]))
     return rows
+
+
+def served_ratio(model: dict, log: Path) -> tuple[float, float]:
+    """(logged over grid-predicted seconds, the calibrated model's over the grid's) summed
+    over a run's steps: how much slower than the profile the run was, and how much slower
+    the calibrated model prices exactly those steps. Their quotient is the run's speed
+    against the calibrated model: its host state (1: the steps cost what they are priced)."""
+    grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
+    rows = step_rows(load_log(str(log))[2], grid, model.get("profile", {}).get("time_basis", "wall"))
+    factors = model.get("served", {}).get("factors", {})
+    g = sum(r.predicted for r in rows)
+    return (sum(r.measured for r in rows) / g,
+            sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in rows) / g)
 
 
 def client_delay_samples(log: Path, bench: dict) -> list[tuple[float, float]]:

@@ -78,18 +78,22 @@ def pooled_table(names: list[str], reports: list[dict]) -> str:
     """Per metric each session's error (its rounds' mean prediction against its real runs'
     mean) and the pooled one (every round's prediction against every real run), each with
     the real runs' noise (largest distance from their mean; pooled, it holds the drift
-    between sessions)."""
+    between sessions); where every session has it, next to it the error at the validation
+    runs' own speed (twin_tables' host-term oracle: what is left is the model's)."""
     from sim.validate import mean_stats, rel_errors, run_noise
 
-    cols = [(n, r["sim"], r["real"]) for n, r in zip(names, reports)]
-    cols.append((f"pooled, {sum(len(r['real']) for r in reports)} rounds",
-                 [s for r in reports for s in r["sim"]], [x for r in reports for x in r["real"]]))
+    at_speed = all(r.get("at_run_speed") for r in reports)
+    cols = [(n, r["sim"], r.get("at_run_speed"), r["real"]) for n, r in zip(names, reports)]
+    cols.append((f"pooled, {sum(len(r['real']) for r in reports)} rounds", [s for r in reports for s in r["sim"]],
+                 [s for r in reports for s in r.get("at_run_speed") or []], [x for r in reports for x in r["real"]]))
     lines = ["| metric | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---|" * len(cols)]
     for m in ["output_throughput"] + METRICS:
         cells = []
-        for _, sim, real in cols:
-            err, noise = rel_errors(mean_stats(sim), mean_stats(real))[m], run_noise(real)[m]
-            cells.append(f"{err * 100:+.1f}% ({noise * 100:.1f})")
+        for _, sim, oracle, real in cols:
+            ref = mean_stats(real)
+            err, noise = rel_errors(mean_stats(sim), ref)[m], run_noise(real)[m]
+            both = f"{err * 100:+.1f}" + (f" \\| {rel_errors(mean_stats(oracle), ref)[m] * 100:+.1f}" if at_speed else "")
+            cells.append(f"{both}% ({noise * 100:.1f})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -113,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"**{name}** ({len(reports)} sessions): a session's error over its runs' first k requests and r of "
               f"its rounds, rms / largest |error| over sessions and choices of rounds (share within the target)\n")
         print(table(reports) + "\n")
-        print(f"**{name}**: error of the mean prediction against the mean real run (noise: the real runs' largest "
-              f"distance from their mean, %)\n")
+        print(f"**{name}**: error of the mean prediction against the mean real run | the same at the validation "
+              f"runs' own speed, where recorded (noise: the real runs' largest distance from their mean, %)\n")
         print(pooled_table([Path(d).name for d in args.sessions], reports) + "\n")
     return 0
 

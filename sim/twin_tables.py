@@ -105,22 +105,6 @@ def serve_all(slots: list[Slot], serve, runs_dir: Path, reuse: bool = False) -> 
     return runs
 
 
-def served_ratio(model: dict, log: Path) -> tuple[float, float]:
-    """(logged over grid-predicted seconds, the calibrated model's over the grid's) summed
-    over a run's steps: how much slower than the profile the run was, and how much slower
-    the calibrated model prices exactly those steps."""
-    from core.cost_fit import StepCostEvaluator, served_factor
-    from core.step_log import load_log
-    from sim.calibrate import step_rows
-
-    grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
-    rows = step_rows(load_log(str(log))[2], grid, model.get("profile", {}).get("time_basis", "wall"))
-    factors = model.get("served", {}).get("factors", {})
-    g = sum(r.predicted for r in rows)
-    return (sum(r.measured for r in rows) / g,
-            sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in rows) / g)
-
-
 def session_rows(slots: list[Slot], runs: dict, profile: dict):
     """slot -> its calibration rows (ServedStep per logged step), cached."""
     from core.cost_fit import StepCostEvaluator
@@ -149,8 +133,9 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     `pairing` names (None: uncalibrated), the simulation of the round's logged workload,
     the real client's numbers (and per request the real and simulated latencies, in
     arrival order: `sim.twin_spread` computes statistics over the first requests)."""
+    from core.cost_fit import scaled_model
     from core.step_log import load_log
-    from sim.calibrate import calibrate
+    from sim.calibrate import calibrate, served_ratio
     from sim.validate import (bench_latencies, client_stats, cpu_share, draw, engine_stats, mean_stats,
                               rel_errors, run_noise, run_sim, workload_from_log)
 
@@ -161,7 +146,7 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     if calibrate_runs:
         once_path = out / "calibrated.once.json"          # one calibration before everything: C0 alone
         once_path.write_text(json.dumps(calibrate(profile, [runs[cals[0]][:2]])))
-    rounds, real, sim, once, base, steady = [], [], [], [], [], []
+    rounds, real, sim, once, base, steady, at_speed = [], [], [], [], [], [], []
     for v in vals:
         log, bench, machine = runs[v]
         config, trace, engine = workload_from_log(log)
@@ -183,6 +168,12 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
                          factors=model["served"]["factors"], client=model["client"],
                          validation_ratio=actual, predicted_ratio=priced,
                          calibration_ratios=[served_ratio(model, runs[c][0])[0] for c in fed])
+            # the host term: the same model at the speed this run's steps actually had
+            # (an oracle, not a prediction; what is left against the real run is the model's)
+            speed_path = out / f"calibrated.r{v.round}.run_speed.json"
+            speed_path.write_text(json.dumps(scaled_model(model, actual / priced)))
+            at_speed.append(run_sim(config, trace, str(speed_path), engine["first_visible"], JITTER_DRAWS).stats)
+            entry["errors_at_run_speed"] = rel_errors(at_speed[-1], real[-1])
         # calibrated: the mean of JITTER_DRAWS simulations with the calibration runs' step jitter
         stats, sim_e2e, sim_batch, _, draws = run_sim(config, trace, path, engine["first_visible"],
                                                        JITTER_DRAWS if calibrate_runs else 0)
@@ -197,13 +188,14 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     real_mean = mean_stats(real)
     errors = {"sim vs mean": rel_errors(mean_stats(sim), real_mean)}
     if calibrate_runs:
+        errors["at the run's speed vs mean"] = rel_errors(mean_stats(at_speed), real_mean)
         errors["no jitter vs mean"] = rel_errors(mean_stats(steady), real_mean)
         errors["calibrated once vs mean"] = rel_errors(mean_stats(once), real_mean)
         errors["uncalibrated vs mean"] = rel_errors(mean_stats(base), real_mean)
     rate, _, engine_args = SCENARIOS[name]
     n = len(runs[vals[0]][1]["ttfts"])               # the validation slice's requests
     report = {"scenario": name, "rate": rate, "num_requests": n, "engine_args": engine_args,
-              "real": real, "sim": sim, "no_jitter": steady, "once": once, "uncalibrated": base, "real mean": real_mean,
+              "real": real, "sim": sim, "at_run_speed": at_speed, "no_jitter": steady, "once": once, "uncalibrated": base, "real mean": real_mean,
               "errors": errors, "noise": run_noise(real), "rounds": rounds, "pairing": pairing,
               "cpu_count": os.cpu_count()}
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -317,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                   + ("   <- chosen" if name == pairing else "") for name, errs in check.items()]
         parts += ["", "`sim vs mean`: the mean of the rounds' predictions against the mean of the real runs (each "
                   f"prediction the mean of {JITTER_DRAWS} simulations with the calibration runs' step jitter); "
+                  "`at the run's speed`: the same prediction with every step scaled so that the validation run's "
+                  "own steps cost what they measured (its host state; an oracle, not a prediction: the rest of "
+                  "the error is the model's, the difference from `sim` is the host's); "
                   "`no jitter`: the same calibrated model without jitter; "
                   "`round r`: that round's prediction against its own real run; `calibrated once`: fitted on the "
                   "scenario's first calibration run only (one calibration before the validation runs, as before "

@@ -22,7 +22,11 @@ waited for one: on a shared machine the neighbours, the client and the server's 
 threads take it); a profile is fitted in CPU seconds of that thread, so a second
 simulation, "sim (contended)", slows every step by the real runs' measured share: the
 twin's prediction given the CPU the engine actually got (on an idle machine the two
-agree). Also engine-side latencies from the step log (no HTTP) and the CPU seconds the
+agree). "sim (runs' speed)" goes further: each real run's steps, priced by the cost model,
+against what they measured, is the run's speed (how the host ran that run: on a shared
+machine it moves by several % between runs minutes apart); the simulation at each run's
+speed, averaged, is an oracle, not a prediction: its error is the model's, and the rest of
+the plain sim's error is the host's. Also engine-side latencies from the step log (no HTTP) and the CPU seconds the
 server and the client used. Figure: per-request E2E latency, real (step log) vs
 simulated (contended when there is that column), and the running batch size over time.
 """
@@ -395,6 +399,21 @@ def contention_scale(model: dict, real_share: float | None) -> float | None:
     return own / real_share if own else None
 
 
+def run_speed(model: dict, log: Path, contention: float | None = None) -> float | None:
+    """How much longer a real run's logged steps took than `model` prices them (summed; 1:
+    as priced), in the model's time basis; for a CPU-seconds model times the run's
+    contention scale, the waits for a core its CPU seconds leave out. None for a log
+    without steps."""
+    from sim.calibrate import served_ratio
+
+    try:
+        measured, priced = served_ratio(model, log)
+    except ZeroDivisionError:
+        return None
+    cpu = model.get("profile", {}).get("time_basis") == "cpu"
+    return measured / priced * (contention if cpu and contention else 1.0)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from core.cost_fit import jitter_params, scaled_model
     from sim.fitted_cost import FittedCostModel, load_cost_model_file
@@ -443,6 +462,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
         contended, sim_e2e, sim_batch, _, _ = run_sim(config, trace, str(scaled_path), engine["first_visible"], draws)
         rows["sim (contended)"] = contended
         errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
+    speeds = [run_speed(model, log, contention_scale(model, share)) for (log, _, _), share in zip(runs, shares)]
+    if all(speeds):
+        # the host term: each real run's workload priced at the speed its own logged steps
+        # had (an oracle, not a prediction): what remains against the real runs is the model's
+        at_speed = []
+        for k, speed in enumerate(speeds, 1):
+            speed_path = out / f"cost_model.real{k}_speed.json"
+            speed_path.write_text(json.dumps(scaled_model(model, speed)))
+            at_speed.append(run_sim(config, trace, str(speed_path), engine["first_visible"], draws).stats)
+        rows["sim (runs' speed)"] = mean_stats(at_speed)
+        errors["sim (runs' speed) vs mean"] = rel_errors(rows["sim (runs' speed)"], real_mean)
     if getattr(args, "baseline_cost_model", None):
         baseline = run_sim(config, trace, args.baseline_cost_model, engine["first_visible"]).stats
         rows["sim (baseline)"] = baseline
@@ -454,7 +484,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
               "jitter_draws": draws if jittered else 0,
               "skip": getattr(args, "skip", 0), "seed": args.seed, "cost_model": args.cost_model,
               "baseline_cost_model": getattr(args, "baseline_cost_model", None), "engine_args": args.engine_args,
-              "stats": rows, "errors": errors, "noise": noise, "cpu_share": shares, "contention_scale": scale,
+              "stats": rows, "errors": errors, "noise": noise, "cpu_share": shares, "contention_scale": scale, "run_speed": speeds,
               "machine": [m for _, _, m in runs], "cpu_count": os.cpu_count(),
               "preemptions_real": sum(1 for r in read_log(str(runs[0][0])) if r["kind"] == "step"
                                       for _ in r["decision"]["preempted"])}
@@ -476,5 +506,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
               f"sim (no jitter): one without")
     if scale is not None:
         print(f"sim (contended): every step x{scale:.2f}, the real runs' slowdown from the CPU they got")
+    if all(speeds):
+        print("sim (runs' speed): each real run's steps cost " + ", ".join(f"x{x:.3f}" for x in speeds)
+              + " what the cost model prices them (its host state): the prediction at those speeds, an oracle; "
+                "what is left against the real runs is the model's error, the rest of `sim`'s is the host's")
     print(f"report.json and validate.png in {out}/")
     return 0

@@ -912,6 +912,13 @@ def test_twin_spread_recomputes_a_sessions_error_over_its_first_requests_and_its
     out = capsys.readouterr().out
     assert "**light** (2 sessions)" in out and "| 30 | 3 | 2 |" in out and "| 20 | 2 | 6 |" in out
     assert "| metric | s1 | s2 | pooled, 6 rounds |" in out and "| output_throughput | +0.0% (0.0) |" in out
+    for name, rep in (("s1", a), ("s2", b)):         # with the host-term oracle: a second error in each cell
+        rep["at_run_speed"] = [dict(r, median_ttft=r["median_ttft"] * 1.25) for r in rep["real"]]
+        (tmp_path / name / "light" / "report.json").write_text(json.dumps(rep))
+    assert main([str(tmp_path / "s1"), str(tmp_path / "s2"), "--scenarios", "light"]) == 0
+    out = capsys.readouterr().out
+    assert "| output_throughput | +0.0 \\| +0.0% (0.0) |" in out
+    assert [line.count("\\| +25.0%") for line in out.splitlines() if line.startswith("| median_ttft")] == [3]
     (tmp_path / "old" / "light").mkdir(parents=True)
     (tmp_path / "old" / "light" / "report.json").write_text(json.dumps({"rounds": [{"errors": {}}]}))
     with pytest.raises(SystemExit):
@@ -1119,6 +1126,50 @@ def test_interleaved_rounds_track_a_host_that_drifts_and_sequential_ones_do_not(
     assert seq["errors"]["sim vs mean"]["median_tpot"] < -0.08
     steady, _, _ = _rounds_on_a_drifting_host(tmp_path / "steady", "sequential", lambda i: 1.2)
     assert all(abs(e["errors"]["median_tpot"]) < 0.01 for e in steady["rounds"])     # no drift: both designs fit
+
+
+def test_at_the_validation_runs_own_speed_only_the_models_error_is_left(tmp_path):
+    """The host term, measured: calibrated sequentially on a host that gets 8% slower with
+    every run, the prediction falls behind the validation runs; the same model scaled to
+    each validation run's own speed (its logged steps against their price) predicts it, and
+    markdown shows both columns."""
+    from sim.twin_tables import markdown
+
+    drift = lambda i: 1.0 + 0.08 * i                     # noqa: E731
+    report, _, _ = _rounds_on_a_drifting_host(tmp_path, "sequential", drift)
+    assert report["errors"]["sim vs mean"]["median_tpot"] < -0.08
+    for k in ("median_tpot", "p90_tpot", "median_ttft", "median_e2el"):
+        assert abs(report["errors"]["at the run's speed vs mean"][k]) < 0.01, k
+        for entry in report["rounds"]:
+            assert abs(entry["errors_at_run_speed"][k]) < 0.01, (entry["round"], k)
+    assert len(report["at_run_speed"]) == len(report["rounds"]) == 3
+    assert "at the run's speed vs mean" in markdown(report)
+
+
+def test_run_speed_is_a_runs_logged_steps_against_their_price(tmp_path):
+    """Steps that took 1.3x their price on a core they had half the time: a CPU-seconds
+    model's run speed is 1.3 x the contention scale 2; a wall-seconds model, which prices
+    the waits already, reads the wall seconds."""
+    from core.cost_fit import StepCostEvaluator
+    from sim.validate import run_speed
+
+    model = _bumpy_model()
+    grid = StepCostEvaluator(model)
+    recs = [dict(DriftingHost.CONFIG)]
+    for i, (start, n) in enumerate([(0, 24), (24, 1), (25, 1), (0, 60), (60, 1)]):
+        cpu = 1.3 * grid.step_time(*shape_of([start], [n]))
+        recs.append({"kind": "step", "step": i, "t_start": i, "t_end": i + 2 * cpu, "step_s": 2 * cpu, "cpu_s": cpu,
+                     "decision": {"batch": [["r", start, n, 1, 4]], "preempted": []}})
+    log = tmp_path / "run.steps.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cpu_model = {**model, "profile": {**model.get("profile", {}), "time_basis": "cpu"}}
+    assert run_speed(cpu_model, log, 2.0) == pytest.approx(2.6)
+    assert run_speed(cpu_model, log) == pytest.approx(1.3)
+    wall_model = {**model, "profile": {**model.get("profile", {}), "time_basis": "wall"}}
+    assert run_speed(wall_model, log, 2.0) == pytest.approx(2.6)
+    empty = tmp_path / "empty.steps.jsonl"
+    empty.write_text(json.dumps(DriftingHost.CONFIG) + "\n")
+    assert run_speed(cpu_model, empty) is None
 
 
 def test_a_host_that_only_jitters_is_calibrated_on_the_whole_session(tmp_path):
