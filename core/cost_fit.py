@@ -471,18 +471,83 @@ def fit_served_scale(rows: Sequence[Sequence], k: int = 5, seed: int = 0) -> dic
 # begin) land on the edge of that spread, which a twin without it cannot reproduce. The
 # jitter section measures it on the calibration runs: per step, the log of measured over
 # calibrated seconds, each run's own mean removed (what differs between whole runs is the
-# served ratio's business, not the step's); its standard deviation and the correlation of
-# consecutive steps (slow stretches last many steps). `StepJitter` draws a series with
-# the same two numbers (a Gaussian AR(1) in the log) whose factors average 1.
+# served ratio's business, not the step's). Its autocorrelation has two time scales: it
+# falls fast over the first steps and then keeps a long tail (slow stretches: at 16 steps,
+# about one request's decode, still 0.1-0.2 here, where one AR(1) with the lag-1
+# correlation has ~0). So the fit is a sum of two AR(1) processes in the log, a fast and a
+# slow one, whose covariances match the runs' out to JITTER_LAGS steps (corrected for each
+# run's mean being removed, which eats most of a slow part's variance in a short run);
+# `StepJitter` draws that sum, as factors averaging 1.
 MIN_JITTER_STEPS = 20            # per run: a shorter run says little about correlation
+JITTER_LAGS = 16                 # covariances fitted out to this lag (> one request's decode)
+PHI_GRID = tuple(i / 100 for i in range(100))      # candidate lag-1 correlations of each part
+
+
+def demeaned_ar1_covariances(phi: float, n: int, max_lag: int) -> list[float]:
+    """For a unit-variance AR(1) with lag-1 correlation `phi` seen for `n` steps and its
+    sample mean removed: the expected mean product of values k steps apart, k = 0..max_lag
+    (what the same statistic of a real run's demeaned residuals estimates)."""
+    # c[t] = Cov(x_t, sample mean) = (1/n) sum_u phi^|t-u|; Var(sample mean) = mean of c
+    if phi == 0.0:
+        c = [1.0 / n] * n
+    else:
+        c = [(2.0 - phi ** (t + 1) - phi ** (n - t) - (1.0 - phi)) / (1.0 - phi) / n for t in range(n)]
+    prefix = [0.0]
+    for x in c:
+        prefix.append(prefix[-1] + x)
+    var_mean = prefix[n] / n
+    # E[(x_t - m)(x_{t+k} - m)] = phi^k - c[t] - c[t+k] + var_mean, averaged over t < n - k
+    return [phi ** k - (prefix[n - k] + prefix[n] - prefix[k]) / (n - k) + var_mean for k in range(max_lag + 1)]
+
+
+def fit_two_scales(dev: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
+    """(sigma, phi, slow_share, slow_phi) of the sum of two AR(1) processes (lag-1
+    correlations phi <= slow_phi, the slow one holding slow_share of the variance sigma^2)
+    whose demeaned covariances at lags 0..JITTER_LAGS best match (least squares, variances
+    >= 0) those pooled over the runs' demeaned residuals `dev` (each at least
+    JITTER_LAGS + 2 steps long). One AR(1) is the special case slow_share = 0."""
+    lags = range(JITTER_LAGS + 1)
+    pairs = [sum(len(d) - k for d in dev) for k in lags]
+    measured = [sum(a * b for d in dev for a, b in zip(d, d[k:])) / pairs[k] for k in lags]
+    expected = {}
+    for phi in PHI_GRID:
+        acc = [0.0] * len(pairs)
+        for d in dev:
+            for k, cov in enumerate(demeaned_ar1_covariances(phi, len(d), JITTER_LAGS)):
+                acc[k] += (len(d) - k) * cov
+        expected[phi] = [a / m for a, m in zip(acc, pairs)]
+
+    def dot(u, v):
+        return sum(a * b for a, b in zip(u, v))
+    norm = {phi: dot(e, e) for phi, e in expected.items()}
+    toward = {phi: dot(e, measured) for phi, e in expected.items()}
+    best = (math.inf, 0.0, 0.0, 0.0, 0.0)            # (squared error, fast var, slow var, phi, slow_phi)
+    for i, fast in enumerate(PHI_GRID):
+        for slow in PHI_GRID[i:]:
+            cross = dot(expected[fast], expected[slow])
+            det = norm[fast] * norm[slow] - cross * cross
+            candidates = [(max(toward[fast] / norm[fast], 0.0), 0.0)]       # one part only
+            if det > 1e-12 * norm[fast] * norm[slow]:
+                a = (toward[fast] * norm[slow] - toward[slow] * cross) / det
+                b = (toward[slow] * norm[fast] - toward[fast] * cross) / det
+                if a >= 0 and b >= 0:
+                    candidates.append((a, b))
+            for a, b in candidates:
+                err = sum((m - a * x - b * y) ** 2 for m, x, y in zip(measured, expected[fast], expected[slow]))
+                if err < best[0]:
+                    best = (err, a, b, fast, slow)
+    _, a, b, fast, slow = best
+    if b == 0.0:
+        slow = 0.0
+    return math.sqrt(a + b), fast, (b / (a + b) if a + b > 0 else 0.0), slow
 
 
 def fit_step_jitter(runs: Sequence[Sequence[Sequence]], factors: dict[str, float]) -> dict:
     """The jitter section from calibration runs (each a list of ServedStep rows in step
-    order) and the served factors fitted on them: sigma (sd of the demeaned log residual),
-    phi (lag-1 autocorrelation within runs, clipped to [0, 0.999]), run_sigma (sd across
-    runs of each run's mean log residual: how much a whole run's host state moves its
-    speed; 0 with fewer than two runs), n (steps), runs."""
+    order) and the served factors fitted on them: sigma (sd of the log residual), phi and
+    slow_share, slow_phi (the two time scales, `fit_two_scales`), run_sigma (sd across runs
+    of each run's mean log residual: how much a whole run's host state moves its speed; 0
+    with fewer than two runs), n (steps), runs."""
     dev: list[list[float]] = []
     means: list[float] = []
     for rows in runs:
@@ -494,39 +559,42 @@ def fit_step_jitter(runs: Sequence[Sequence[Sequence]], factors: dict[str, float
             dev.append([x - mean for x in logs])
     n = sum(map(len, dev))
     if not n:
-        return {"sigma": 0.0, "phi": 0.0, "run_sigma": 0.0, "n": 0, "runs": 0}
-    var = sum(x * x for d in dev for x in d) / n
-    lag = sum(a * b for d in dev for a, b in zip(d, d[1:]))
-    pairs = sum(len(d) - 1 for d in dev)
-    phi = lag / pairs / var if var > 0 and pairs else 0.0
+        return {"sigma": 0.0, "phi": 0.0, "slow_share": 0.0, "slow_phi": 0.0, "run_sigma": 0.0, "n": 0, "runs": 0}
+    sigma, phi, slow_share, slow_phi = fit_two_scales(dev)
     run_sigma = 0.0
     if len(means) >= 2:
         mbar = sum(means) / len(means)
         run_sigma = math.sqrt(sum((m - mbar) ** 2 for m in means) / (len(means) - 1))
-    return {"sigma": math.sqrt(var), "phi": min(max(phi, 0.0), 0.999), "run_sigma": run_sigma, "n": n,
-            "runs": len(dev)}
+    return {"sigma": sigma, "phi": phi, "slow_share": slow_share, "slow_phi": slow_phi, "run_sigma": run_sigma,
+            "n": n, "runs": len(dev)}
 
 
 class StepJitter:
-    """Multiplicative step-time noise with a jitter section's sd and step-to-step
-    correlation: x_t = phi x_{t-1} + sqrt(1 - phi^2) sigma e_t (e_t standard normal, x_0
-    drawn from the stationary law), factor_t = exp(x_t - sigma^2 / 2), whose mean is 1.
-    Seeded: the same seed gives the same factors. (The section's run_sigma, whole runs'
-    spread, is not drawn: tried on four twin sessions' stored runs, a per-run factor moved
-    the pooled queueing bias 2 points towards 0 but no session's error, and added about
-    +-2% of Monte Carlo noise to a 16-draw prediction.)"""
+    """Multiplicative step-time noise: the sum of two Gaussian AR(1) processes in the log,
+    x_t = phi x_{t-1} + sqrt(1 - phi^2) sd e_t per part (e_t standard normal, each part
+    started from its stationary law; the slow part holds slow_share of the variance
+    sigma^2), factor_t = exp(x_t - sigma^2 / 2), whose mean is 1. Seeded: the same seed
+    gives the same factors; with slow_share 0 the factors are one AR(1)'s. (The section's
+    run_sigma, whole runs' spread, is not drawn: tried on four twin sessions' stored runs,
+    a per-run factor moved the pooled queueing bias 2 points towards 0 but no session's
+    error, and added about +-2% of Monte Carlo noise to a 16-draw prediction.)"""
 
-    def __init__(self, sigma: float, phi: float, seed: int):
-        self.sigma, self.phi = sigma, phi
+    def __init__(self, sigma: float, phi: float, slow_share: float = 0.0, slow_phi: float = 0.0, *, seed: int):
+        self.sigma, self.phi, self.slow_share, self.slow_phi = sigma, phi, slow_share, slow_phi
         self._rng = random.Random(seed)
-        self._innovation = math.sqrt(1.0 - phi * phi) * sigma
+        self._parts = []                 # per part: [lag-1 correlation, innovation sd, current value]
+        for share, p in ((1.0 - slow_share, phi), (slow_share, slow_phi)):
+            sd = sigma * math.sqrt(share)
+            if sd > 0:
+                self._parts.append([p, math.sqrt(1.0 - p * p) * sd, self._rng.gauss(0.0, sd)])
         self._shift = sigma * sigma / 2
-        self._x = self._rng.gauss(0.0, sigma) if sigma > 0 else 0.0
 
     def next(self) -> float:
         """The factor of the next step."""
-        x = self._x
-        self._x = self.phi * x + self._rng.gauss(0.0, self._innovation) if self.sigma > 0 else 0.0
+        x = 0.0
+        for part in self._parts:
+            x += part[2]
+            part[2] = part[0] * part[2] + self._rng.gauss(0.0, part[1])
         return math.exp(x - self._shift)
 
 
@@ -565,20 +633,25 @@ def check_model(model: dict, where: str = "cost model") -> None:
         jitter_params(model, where)
 
 
-def jitter_params(model: dict, where: str = "cost model") -> tuple[float, float] | None:
-    """(sigma, phi) of the model's jitter section; None without one. (Its run_sigma, where
+def jitter_params(model: dict, where: str = "cost model") -> tuple[float, float, float, float] | None:
+    """(sigma, phi, slow_share, slow_phi) of the model's jitter section (a section without
+    the slow part: one AR(1), slow_share 0); None without one. (Its run_sigma, where
     present, is reported, not drawn: see StepJitter.)"""
     jitter = model.get("jitter")
     if jitter is None:
         return None
-    sigma, phi = (jitter.get(k) if isinstance(jitter, dict) else None for k in ("sigma", "phi"))
-    run_sigma = jitter.get("run_sigma", 0.0) if isinstance(jitter, dict) else None
-    if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0 or \
-            not isinstance(phi, (int, float)) or not 0 <= phi < 1 or \
-            not isinstance(run_sigma, (int, float)) or not math.isfinite(run_sigma) or run_sigma < 0:
-        raise ValueError(f"{where}: jitter: sigma and run_sigma must be finite and >= 0 and phi in [0, 1), "
-                         f"got {jitter!r}")
-    return float(sigma), float(phi)
+    if not isinstance(jitter, dict):
+        raise ValueError(f"{where}: jitter must be an object, got {jitter!r}")
+    sigma, phi = jitter.get("sigma"), jitter.get("phi")
+    share, slow_phi, run_sigma = (jitter.get(k, 0.0) for k in ("slow_share", "slow_phi", "run_sigma"))
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+    if not (number(sigma) and sigma >= 0 and number(run_sigma) and run_sigma >= 0 and number(phi) and 0 <= phi < 1
+            and number(slow_phi) and 0 <= slow_phi < 1 and number(share) and 0 <= share <= 1):
+        raise ValueError(f"{where}: jitter: sigma and run_sigma must be finite and >= 0, phi and slow_phi in [0, 1), "
+                         f"slow_share in [0, 1], got {jitter!r}")
+    return float(sigma), float(phi), float(share), float(slow_phi)
 
 
 def client_delays(model: dict, where: str = "cost model") -> tuple[float, float]:

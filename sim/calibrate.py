@@ -145,6 +145,15 @@ def calibrate(model: dict, runs: list[tuple[Path, dict]], folds: int = 5) -> dic
     return out
 
 
+def jitter_scales(jitter: dict) -> str:
+    """A jitter section's time scales in words: the fast part's lag-1 correlation, and the
+    slow part's share of the variance and correlation where it has one."""
+    text = f"lag-1 correlation {jitter['phi']:.2f}"
+    if jitter.get("slow_share"):
+        text += f", {jitter['slow_share'] * 100:.0f}% of the variance slow (lag-1 correlation {jitter['slow_phi']:.2f})"
+    return text
+
+
 def format_report(model: dict) -> str:
     served, client = model["served"], model["client"]
     rows = served["rows"]
@@ -162,7 +171,7 @@ def format_report(model: dict) -> str:
     jitter = model.get("jitter")
     if jitter:
         lines.append(f"step jitter within a run (--jitter-seed): sd {jitter['sigma'] * 100:.1f}% of a step's time, "
-                     f"lag-1 correlation {jitter['phi']:.2f} ({jitter['n']} steps of {jitter['runs']} runs); "
+                     f"{jitter_scales(jitter)} ({jitter['n']} steps of {jitter['runs']} runs); "
                      f"whole runs differ by sd {jitter.get('run_sigma', 0.0) * 100:.1f}% (host state; not drawn)")
     lines.append(f"client delay (median over {client['n']} requests): first token +{client['first_token_s'] * 1e3:.1f} ms, "
                  f"last token +{client['last_token_s'] * 1e3:.1f} ms after the engine made it")

@@ -16,8 +16,9 @@
   * queueing: 20 requests at 4 req/s on 40 KV blocks of 16 tokens and at most 8
     sequences (requests queue, and the KV pool runs out: preemptions).
 Writes `tables.md` (per scenario: the error of the mean prediction against the mean real
-run, each round's error, the same with one calibration made before everything and with
-the uncalibrated profile, the real runs' spread; the factors per round, the held-out
+run, the same at each validation run's own speed (the host term's oracle: the model priced
+at what the run's logged steps measured), each round's error, the same with one
+calibration made before everything and with the uncalibrated profile, the real runs' spread; the factors per round, the held-out
 check of the pairing, load averages), each scenario's `report.json`, calibrated models
 and per-round figures, and the runs under `runs/`.
 """
@@ -220,7 +221,7 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if rounds and "factors" in rounds[0]:
-        lines += ["| round | fitted on | family | factors | step jitter sd / corr. | client delay first/last (ms) | "
+        lines += ["| round | fitted on | family | factors | step jitter sd / corr. (+ slow part's share / corr.) | client delay first/last (ms) | "
                   "calibration runs' served/profile | validation run's served/profile | calibrated model on its steps |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in rounds:
@@ -228,6 +229,8 @@ def markdown(report: dict) -> str:
             fed = " + ".join(r["fed"]) if len(r["fed"]) <= 2 else f"all {len(r['fed'])} calibration runs"
             jitter = r.get("jitter") or {}
             jitter_cell = f"{jitter['sigma'] * 100:.1f}% / {jitter['phi']:.2f}" if jitter else "-"
+            if jitter.get("slow_share"):
+                jitter_cell += f" + {jitter['slow_share'] * 100:.0f}% slow / {jitter['slow_phi']:.2f}"
             lines.append(f"| {r['round'] + 1} | {fed} | {r['family']} | {factors} | {jitter_cell} | "
                          f"{r['client']['first_token_s'] * 1e3:.1f} / {r['client']['last_token_s'] * 1e3:.1f} | "
                          + ", ".join(f"x{x:.3f}" for x in r["calibration_ratios"])

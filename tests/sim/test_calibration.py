@@ -236,7 +236,10 @@ def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_pa
     assert "sim vs mean" in r.stdout and "noise (±)" in r.stdout and "engine thread ran" in r.stdout
     report = json.loads((out / "report.json").read_text())
     metrics = {"output_throughput"} | {f"{q}_{m}" for m in ("ttft", "tpot", "e2el") for q in ("median", "p90")}
-    assert set(report["errors"]) == {"sim vs mean", "sim (contended) vs mean", "sim vs engine1"}
+    assert set(report["errors"]) == {"sim vs mean", "sim (contended) vs mean", "sim (runs' speed) vs mean",
+                                     "sim vs engine1"}
+    assert len(report["run_speed"]) == 2 and all(x > 0 for x in report["run_speed"])
+    assert "sim (runs' speed): each real run's steps cost" in r.stdout
     for errs in list(report["errors"].values()) + [report["noise"]]:
         assert set(errs) == metrics
         assert all(e == e for e in errs.values())          # no NaN: every metric was measured
@@ -1203,7 +1206,7 @@ def test_a_host_whose_steps_jitter_gets_that_jitter_in_its_calibration_and_predi
     assert report["sim"] != report["no_jitter"]
     assert "no jitter vs mean" in report["errors"]
     from sim.twin_tables import markdown
-    assert "| step jitter sd / corr. |" in markdown(report)
+    assert "| step jitter sd / corr. (+ slow part's share / corr.) |" in markdown(report)
 
 
 def test_the_full_profile_grid_times_prefills_of_served_prompt_sizes_in_one_step():

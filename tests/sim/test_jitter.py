@@ -41,13 +41,54 @@ def test_jitter_factors_average_one_correlate_as_asked_and_repeat_with_their_see
     assert {still.next() for _ in range(10)} == {1.0}
 
 
+def _autocorrelation(xs: list[float], k: int) -> float:
+    m = sum(xs) / len(xs)
+    d = [x - m for x in xs]
+    return sum(a * b for a, b in zip(d, d[k:])) / (len(d) - k) / (sum(x * x for x in d) / len(d))
+
+
+def test_two_time_scales_keep_the_mean_and_the_slow_part_correlates_far():
+    """Half the variance fast (lag-1 0.3), half slow (0.97): the factors average 1, their
+    log has the total sd, and the correlation 16 steps apart is the slow half's 0.97^16,
+    where one AR(1) with the same lag-1 correlation would have almost none."""
+    draws = StepJitter(0.2, 0.3, 0.5, 0.97, seed=11)
+    f = [draws.next() for _ in range(200_000)]
+    assert sum(f) / len(f) == pytest.approx(1.0, abs=0.02)
+    logs = [math.log(x) for x in f]
+    m = sum(logs) / len(logs)
+    assert math.sqrt(sum((x - m) ** 2 for x in logs) / len(logs)) == pytest.approx(0.2, rel=0.06)
+    assert _autocorrelation(logs, 1) == pytest.approx(0.5 * 0.3 + 0.5 * 0.97, abs=0.04)
+    assert _autocorrelation(logs, 16) == pytest.approx(0.5 * 0.97 ** 16, abs=0.05)
+    one = StepJitter(0.2, 0.5 * 0.3 + 0.5 * 0.97, seed=11)
+    assert _autocorrelation([math.log(one.next()) for _ in range(50_000)], 16) < 0.05
+
+
+@pytest.mark.parametrize("phi,n", [(0.0, 5), (0.7, 12), (0.95, 30)])
+def test_demeaned_covariances_are_exact(phi, n):
+    """The correction for each run's mean being removed, against the exact covariance of
+    the demeaned series (M S M with S_ij = phi^|i-j|, M = I - 11'/n), averaged per lag."""
+    from core.cost_fit import demeaned_ar1_covariances
+
+    cov = [[phi ** abs(i - j) for j in range(n)] for i in range(n)]
+    row = [sum(r) / n for r in cov]
+    total = sum(row) / n
+    exact = [[cov[i][j] - row[i] - row[j] + total for j in range(n)] for i in range(n)]
+    lags = min(4, n - 1)
+    expected = [sum(exact[t][t + k] for t in range(n - k)) / (n - k) for k in range(lags + 1)]
+    assert demeaned_ar1_covariances(phi, n, lags) == pytest.approx(expected, abs=1e-12)
+
+
 def _runs(sigma: float, phi: float, offsets: list[float], n: int = 3000) -> list[list[ServedStep]]:
     """Calibration runs whose steps cost (served factor) x (the run's offset) x jitter
     times the grid prediction; decode steps of 1 and 8 sequences, prefills."""
+    return _runs_of(StepJitter, (sigma, phi), offsets, n)
+
+
+def _runs_of(jitter, params: tuple, offsets: list[float], n: int) -> list[list[ServedStep]]:
     factors = {"decode": 1.2, "prefill": 1.5, "decode:<=1": 1.1}
     runs = []
     for r, offset in enumerate(offsets):
-        draws = StepJitter(sigma, phi, seed=r)
+        draws = jitter(*params, seed=r)
         rows = []
         for i in range(n):
             phase, seqs, tokens, pred = [("decode", 1, 1, 0.05), ("decode", 8, 8, 0.09), ("prefill", 1, 120, 0.3)][i % 3]
@@ -57,19 +98,38 @@ def _runs(sigma: float, phi: float, offsets: list[float], n: int = 3000) -> list
     return runs, factors
 
 
+def _implied_correlation(fit: dict, k: int) -> float:
+    return (1 - fit["slow_share"]) * fit["phi"] ** k + fit["slow_share"] * fit["slow_phi"] ** k
+
+
 def test_the_fit_recovers_the_spread_and_correlation_within_runs_not_between_them():
     runs, factors = _runs(0.06, 0.9, [0.8, 1.0, 1.35])
     fit = fit_step_jitter(runs, factors)
     assert fit["sigma"] == pytest.approx(0.06, rel=0.1)      # the runs' offsets are not jitter
-    assert fit["phi"] == pytest.approx(0.9, abs=0.05)
+    for k in (1, 4, 16):                                     # one time scale: whatever the split, 0.9^k
+        assert _implied_correlation(fit, k) == pytest.approx(0.9 ** k, abs=0.05)
     assert fit["n"] == 9000 and fit["runs"] == 3
     # a short run says nothing about correlation and is left out; no run at all: no jitter
     assert fit_step_jitter(runs + [runs[0][:5]], factors)["runs"] == 3
-    assert fit_step_jitter([runs[0][:5]], factors) == {"sigma": 0.0, "phi": 0.0, "run_sigma": 0.0, "n": 0,
-                                                        "runs": 0}
+    assert fit_step_jitter([runs[0][:5]], factors) == {"sigma": 0.0, "phi": 0.0, "slow_share": 0.0, "slow_phi": 0.0,
+                                                        "run_sigma": 0.0, "n": 0, "runs": 0}
     # anti-correlated residuals (alternating) are not a slow stretch: phi clips at 0
     alt = [[ServedStep("decode", 1, 1, 0.05, 0.05 * 1.2 * (1.1 if i % 2 else 0.9)) for i in range(100)]]
     assert fit_step_jitter(alt, {"decode": 1.2})["phi"] == 0.0
+
+
+def test_the_fit_finds_a_slow_part_that_one_ar1_would_miss():
+    """Steps drawn with 40% of their variance in slow stretches (lag-1 0.95) and the rest
+    fast (0.4), in runs of 300 steps whose own means are removed: the fit recovers both
+    scales and the whole variance (the removed means took part of the slow one's)."""
+    runs, factors = _runs_of(StepJitter, (0.1, 0.4, 0.4, 0.95), [1.0, 0.9, 1.2, 1.1, 1.0, 0.95] * 3, n=300)
+    fit = fit_step_jitter(runs, factors)
+    assert fit["sigma"] == pytest.approx(0.1, rel=0.12)
+    assert fit["slow_share"] == pytest.approx(0.4, abs=0.15)
+    assert fit["slow_phi"] == pytest.approx(0.95, abs=0.03)
+    assert fit["phi"] == pytest.approx(0.4, abs=0.15)
+    for k, tol in ((1, 0.05), (4, 0.05), (16, 0.08)):      # (0.01 on slow_phi moves its 16th power by 0.07)
+        assert _implied_correlation(fit, k) == pytest.approx(0.6 * 0.4 ** k + 0.4 * 0.95 ** k, abs=tol)
 
 
 def test_the_fit_measures_how_much_whole_runs_differ():
@@ -132,9 +192,11 @@ def test_jitter_needs_a_calibrated_model_and_a_single_engine(tmp_path, slice_):
         _run(None, slice_, 0)
     with pytest.raises(ValueError, match="jitter section"):
         _run(_model(tmp_path, None), slice_, 0)
-    bad = _model(tmp_path, {"sigma": 0.1, "phi": 1.0})
-    with pytest.raises(ValueError, match="phi in"):
-        check_model(json.loads(open(bad).read()))
+    for bad_section in ({"sigma": 0.1, "phi": 1.0}, {"sigma": 0.1, "phi": 0.5, "slow_share": 1.5, "slow_phi": 0.9},
+                        {"sigma": 0.1, "phi": 0.5, "slow_share": 0.5, "slow_phi": 1.0}, [0.1, 0.5]):
+        bad = _model(tmp_path, bad_section)
+        with pytest.raises(ValueError, match="jitter"):
+            check_model(json.loads(open(bad).read()))
     cfg = SimConfig(model="SmolLM2-135M", hardware="cpu-2core", jitter_seed=0,
                     cost_model=_model(tmp_path, {"sigma": 0.1, "phi": 0.5}))
     with pytest.raises(ValueError, match="fleets"):
