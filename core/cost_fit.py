@@ -559,7 +559,8 @@ def fit_step_jitter(runs: Sequence[Sequence[Sequence]], factors: dict[str, float
             dev.append([x - mean for x in logs])
     n = sum(map(len, dev))
     if not n:
-        return {"sigma": 0.0, "phi": 0.0, "slow_share": 0.0, "slow_phi": 0.0, "run_sigma": 0.0, "n": 0, "runs": 0}
+        return {"sigma": 0.0, "phi": 0.0, "slow_share": 0.0, "slow_phi": 0.0, "run_sigma": 0.0, "n": 0,
+                "runs": 0}
     sigma, phi, slow_share, slow_phi = fit_two_scales(dev)
     run_sigma = 0.0
     if len(means) >= 2:
@@ -649,8 +650,8 @@ def jitter_params(model: dict, where: str = "cost model") -> tuple[float, float,
         return isinstance(x, (int, float)) and math.isfinite(x)
     if not (number(sigma) and sigma >= 0 and number(run_sigma) and run_sigma >= 0 and number(phi) and 0 <= phi < 1
             and number(slow_phi) and 0 <= slow_phi < 1 and number(share) and 0 <= share <= 1):
-        raise ValueError(f"{where}: jitter: sigma and run_sigma must be finite and >= 0, phi and slow_phi in [0, 1), "
-                         f"slow_share in [0, 1], got {jitter!r}")
+        raise ValueError(f"{where}: jitter: sigma and run_sigma must be finite and >= 0, phi and slow_phi in "
+                         f"[0, 1), slow_share in [0, 1], got {jitter!r}")
     return float(sigma), float(phi), float(share), float(slow_phi)
 
 

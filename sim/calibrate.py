@@ -150,7 +150,8 @@ def jitter_scales(jitter: dict) -> str:
     slow part's share of the variance and correlation where it has one."""
     text = f"lag-1 correlation {jitter['phi']:.2f}"
     if jitter.get("slow_share"):
-        text += f", {jitter['slow_share'] * 100:.0f}% of the variance slow (lag-1 correlation {jitter['slow_phi']:.2f})"
+        text += (f", {jitter['slow_share'] * 100:.0f}% of the variance slow "
+                 f"(lag-1 correlation {jitter['slow_phi']:.2f})")
     return text
 
 

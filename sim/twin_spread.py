@@ -92,7 +92,9 @@ def pooled_table(names: list[str], reports: list[dict]) -> str:
         for _, sim, oracle, real in cols:
             ref = mean_stats(real)
             err, noise = rel_errors(mean_stats(sim), ref)[m], run_noise(real)[m]
-            both = f"{err * 100:+.1f}" + (f" \\| {rel_errors(mean_stats(oracle), ref)[m] * 100:+.1f}" if at_speed else "")
+            both = f"{err * 100:+.1f}"
+            if at_speed:
+                both += f" \\| {rel_errors(mean_stats(oracle), ref)[m] * 100:+.1f}"
             cells.append(f"{both}% ({noise * 100:.1f})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -18,9 +18,10 @@
 Writes `tables.md` (per scenario: the error of the mean prediction against the mean real
 run, the same at each validation run's own speed (the host term's oracle: the model priced
 at what the run's logged steps measured), each round's error, the same with one
-calibration made before everything and with the uncalibrated profile, the real runs' spread; the factors per round, the held-out
-check of the pairing, load averages), each scenario's `report.json`, calibrated models
-and per-round figures, and the runs under `runs/`.
+calibration made before everything and with the uncalibrated profile, the real runs'
+spread; the factors per round, the held-out check of the pairing, load averages), each
+scenario's `report.json`, calibrated models and per-round figures, and the runs under
+`runs/`.
 """
 from __future__ import annotations
 
@@ -196,7 +197,8 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     rate, _, engine_args = SCENARIOS[name]
     n = len(runs[vals[0]][1]["ttfts"])               # the validation slice's requests
     report = {"scenario": name, "rate": rate, "num_requests": n, "engine_args": engine_args,
-              "real": real, "sim": sim, "at_run_speed": at_speed, "no_jitter": steady, "once": once, "uncalibrated": base, "real mean": real_mean,
+              "real": real, "sim": sim, "at_run_speed": at_speed, "no_jitter": steady, "once": once,
+              "uncalibrated": base, "real mean": real_mean,
               "errors": errors, "noise": run_noise(real), "rounds": rounds, "pairing": pairing,
               "cpu_count": os.cpu_count()}
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -221,8 +223,9 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if rounds and "factors" in rounds[0]:
-        lines += ["| round | fitted on | family | factors | step jitter sd / corr. (+ slow part's share / corr.) | client delay first/last (ms) | "
-                  "calibration runs' served/profile | validation run's served/profile | calibrated model on its steps |",
+        lines += ["| round | fitted on | family | factors | step jitter sd / corr. (+ slow part's share / corr.) | "
+                  "client delay first/last (ms) | calibration runs' served/profile | validation run's served/profile "
+                  "| calibrated model on its steps |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in rounds:
             factors = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(r["factors"].items()))

@@ -462,7 +462,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         contended, sim_e2e, sim_batch, _, _ = run_sim(config, trace, str(scaled_path), engine["first_visible"], draws)
         rows["sim (contended)"] = contended
         errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
-    speeds = [run_speed(model, log, contention_scale(model, share)) for (log, _, _), share in zip(runs, shares)]
+    speeds = [run_speed(model, log, contention_scale(model, share))
+              for (log, _, _), share in zip(runs, shares)]
     if all(speeds):
         # the host term: each real run's workload priced at the speed its own logged steps
         # had (an oracle, not a prediction): what remains against the real runs is the model's
@@ -484,7 +485,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
               "jitter_draws": draws if jittered else 0,
               "skip": getattr(args, "skip", 0), "seed": args.seed, "cost_model": args.cost_model,
               "baseline_cost_model": getattr(args, "baseline_cost_model", None), "engine_args": args.engine_args,
-              "stats": rows, "errors": errors, "noise": noise, "cpu_share": shares, "contention_scale": scale, "run_speed": speeds,
+              "stats": rows, "errors": errors, "noise": noise, "cpu_share": shares, "contention_scale": scale,
+              "run_speed": speeds,
               "machine": [m for _, _, m in runs], "cpu_count": os.cpu_count(),
               "preemptions_real": sum(1 for r in read_log(str(runs[0][0])) if r["kind"] == "step"
                                       for _ in r["decision"]["preempted"])}
