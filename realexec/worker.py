@@ -20,7 +20,7 @@ import torch
 
 from core.kv_capacity import kv_block_bytes_per_rank, kv_blocks_per_rank, kv_heads_per_rank
 from core.step_message import ModelRunnerOutput, StepMessage
-from realexec.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from realexec.attention.torch_backend import TorchAttentionBackend
 from realexec.config import EngineArgs
 from realexec.kernels.block_ops import copy_blocks, swap_blocks
 from realexec.loader import load_model
@@ -42,56 +42,6 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
-
-
-class LengthBucketedTorchBackend(TorchAttentionBackend):
-    """The torch reference backend with decode rows grouped by context length.
-
-    The reference decode path gathers every decoding sequence's cache padded to the
-    longest context in the batch; with ShareGPT-like lengths (median ~100, max ~1000)
-    most of that gather and of the masked SDPA is padding (4x of a CPU decode step at 64
-    sequences). Here decode rows are sorted by length and run as one SDPA per group whose
-    lengths are within 2x; prefill rows use the reference per-sequence path.
-    (Belongs in realexec/attention/torch_backend.py; kept here until its owner takes it.)
-    """
-
-    def __init__(self) -> None:
-        self._md = None
-        self._plan: tuple[list, list[int]] = ([], [])
-
-    def _step_plan(self, md):
-        """([(token rows, sequence rows, max_len) per decode group], prefill sequence ids),
-        computed once per step (the metadata object is shared by all layers)."""
-        if md is not self._md:
-            qlens, lens = md.query_lens_cpu, md.seq_lens_cpu
-            starts = list(accumulate(qlens, initial=0))
-            decode = sorted((i for i, n in enumerate(qlens) if n == 1), key=lens.__getitem__)
-            groups: list[list[int]] = []
-            for i in decode:
-                if not groups or lens[i] > 2 * max(lens[groups[-1][0]], md.block_size):
-                    groups.append([])
-                groups[-1].append(i)
-            device = md.seq_lens.device
-            buckets = [(torch.tensor([starts[i] for i in g], device=device), torch.tensor(g, device=device),
-                        lens[g[-1]]) for g in groups]
-            self._plan = (buckets, [i for i, n in enumerate(qlens) if n > 1])
-            self._md = md
-        return self._plan
-
-    def forward(self, q, k, v, k_cache, v_cache, md, scale):
-        if k_cache is None:
-            return super().forward(q, k, v, k_cache, v_cache, md, scale)
-        buckets, prefills = self._step_plan(md)
-        if len(buckets) == 1 and not prefills and q.shape[0] == md.num_seqs:
-            return super().forward(q, k, v, k_cache, v_cache, md, scale)    # one group: as is
-        write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
-        out = torch.zeros_like(q)
-        for token_rows, seq_rows, max_len in buckets:
-            out[token_rows] = self._decode(q[token_rows], k_cache, v_cache, md.block_tables[seq_rows],
-                                           md.seq_lens[seq_rows], max_len, md.block_size, scale)
-        if prefills:
-            self._per_sequence(q, k, v, k_cache, v_cache, md, scale, prefills, out)
-        return out
 
 
 def release_freed_host_memory() -> None:
@@ -153,7 +103,7 @@ class Worker:
 
     def _backend(self):
         backend = self.args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        return LengthBucketedTorchBackend() if backend == "torch" else backend
+        return TorchAttentionBackend() if backend == "torch" else backend
 
     def load_model(self):
         """-> the ModelConfig (the tokenizer stays on the worker: `self.tokenizer`)."""

@@ -88,9 +88,10 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos: bool = False) -> 
 # ----------------------------------------------------------------------------- attention
 
 @pytest.mark.parametrize("with_prefill", [False, True])
-def test_length_bucketed_backend_matches_reference(with_prefill):
+def test_decodes_grouped_by_length_match_one_padded_batch(with_prefill):
+    """The torch backend batches decode rows per group of similar lengths (padding to each
+    group's longest, not the batch's): the same output as one padded call for all."""
     from realexec.attention.torch_backend import TorchAttentionBackend
-    from realexec.worker import LengthBucketedTorchBackend
     from tests.realexec.test_model import make_metadata
 
     gen = torch.Generator().manual_seed(3)
@@ -105,10 +106,15 @@ def test_length_bucketed_backend_matches_reference(with_prefill):
     q, k, v = (torch.randn(t, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
     k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
     v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
-    ref = TorchAttentionBackend().forward(q, k, v, k_cache.clone(), v_cache.clone(), md, 0.3)
-    backend = LengthBucketedTorchBackend()
+    plain = TorchAttentionBackend(group_decodes=False)
+    ref = plain.forward(q, k, v, k_cache.clone(), v_cache.clone(), md, 0.3)
+    assert len(plain._step_plan(md)[0]) == 1
+    backend = TorchAttentionBackend()
     got = backend.forward(q, k, v, k_cache, v_cache, md, 0.3)
-    assert len(backend._step_plan(md)[0]) > 1                 # several length groups
+    groups = backend._step_plan(md)[0]
+    assert len(groups) > 1                                    # several length groups
+    for _, _, longest in groups[:-1]:                         # each padded to its own longest, not the batch's
+        assert longest < max(c + n for c, n in cases)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
