@@ -581,7 +581,6 @@ class StepJitter:
     error, and added about +-2% of Monte Carlo noise to a 16-draw prediction.)"""
 
     def __init__(self, sigma: float, phi: float, slow_share: float = 0.0, slow_phi: float = 0.0, *, seed: int):
-        self.sigma, self.phi, self.slow_share, self.slow_phi = sigma, phi, slow_share, slow_phi
         self._rng = random.Random(seed)
         self._parts = []                 # per part: [lag-1 correlation, innovation sd, current value]
         for share, p in ((1.0 - slow_share, phi), (slow_share, slow_phi)):

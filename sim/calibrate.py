@@ -28,10 +28,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from core.cost_fit import (ServedStep, StepCostEvaluator, check_model, fit_served_scale, fit_step_jitter, phase_of,
-                           served_factor, shape_of, summarize_errors)
+from core.cost_fit import StepCostEvaluator, check_model, fit_served_scale, fit_step_jitter, summarize_errors
 from core.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
+from sim.served_steps import step_rows
 
 DEFAULT_SKIP = 100          # calibration requests start here: past every validation slice in the README
 DEFAULT_LOADS = ["0.5:30", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
@@ -68,36 +68,6 @@ def add_parser(sub) -> None:
     p.add_argument("--work", default=None, metavar="DIR",
                    help="step logs and bench results of the calibration runs (default: OUT's name + .runs/)")
     p.add_argument("--reuse-real", action="store_true", help="fit on the runs already in --work")
-
-
-def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> list[ServedStep]:
-    """(phase, seqs, tokens, grid model's prediction, logged seconds) per logged step: CPU
-    seconds of the stepping thread for a CPU-basis profile, else wall seconds."""
-    key = "cpu_s" if basis == "cpu" else "step_s"
-    rows = []
-    for s in steps:
-        batch = s["decision"]["batch"]
-        if not batch:
-            continue
-        if key not in s:
-            raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
-        seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
-        predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
-        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, s[key]))
-    return rows
-
-
-def served_ratio(model: dict, log: Path) -> tuple[float, float]:
-    """(logged over grid-predicted seconds, the calibrated model's over the grid's) summed
-    over a run's steps: how much slower than the profile the run was, and how much slower
-    the calibrated model prices exactly those steps. Their quotient is the run's speed
-    against the calibrated model: its host state (1: the steps cost what they are priced)."""
-    grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
-    rows = step_rows(load_log(str(log))[2], grid, model.get("profile", {}).get("time_basis", "wall"))
-    factors = model.get("served", {}).get("factors", {})
-    g = sum(r.predicted for r in rows)
-    return (sum(r.measured for r in rows) / g,
-            sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in rows) / g)
 
 
 def client_delay_samples(log: Path, bench: dict) -> list[tuple[float, float]]:

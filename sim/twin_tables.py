@@ -111,7 +111,7 @@ def session_rows(slots: list[Slot], runs: dict, profile: dict):
     """slot -> its calibration rows (ServedStep per logged step), cached."""
     from core.cost_fit import StepCostEvaluator
     from core.step_log import load_log
-    from sim.calibrate import step_rows
+    from sim.served_steps import step_rows
 
     grid, basis, cache = StepCostEvaluator(profile), profile.get("profile", {}).get("time_basis", "wall"), {}
 
@@ -137,7 +137,8 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     arrival order: `sim.twin_spread` computes statistics over the first requests)."""
     from core.cost_fit import scaled_model
     from core.step_log import load_log
-    from sim.calibrate import calibrate, served_ratio
+    from sim.calibrate import calibrate
+    from sim.served_steps import served_ratio
     from sim.validate import (bench_latencies, client_stats, cpu_share, draw, engine_stats, mean_stats,
                               rel_errors, run_noise, run_sim, workload_from_log)
 

@@ -404,11 +404,11 @@ def run_speed(model: dict, log: Path, contention: float | None = None) -> float 
     as priced), in the model's time basis; for a CPU-seconds model times the run's
     contention scale, the waits for a core its CPU seconds leave out. None for a log
     without steps."""
-    from sim.calibrate import served_ratio
+    from sim.served_steps import served_ratio
 
     try:
         measured, priced = served_ratio(model, log)
-    except ZeroDivisionError:
+    except ValueError:          # no executed step
         return None
     cpu = model.get("profile", {}).get("time_basis") == "cpu"
     return measured / priced * (contention if cpu and contention else 1.0)
