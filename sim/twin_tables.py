@@ -135,12 +135,11 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     `pairing` names (None: uncalibrated), the simulation of the round's logged workload,
     the real client's numbers (and per request the real and simulated latencies, in
     arrival order: `sim.twin_spread` computes statistics over the first requests)."""
-    from core.cost_fit import scaled_model
     from core.step_log import load_log
     from sim.calibrate import calibrate
     from sim.served_steps import served_ratio
     from sim.validate import (bench_latencies, client_stats, cpu_share, draw, engine_stats, mean_stats,
-                              rel_errors, run_noise, run_sim, workload_from_log)
+                              rel_errors, run_noise, run_sim, run_sim_scaled, workload_from_log)
 
     out.mkdir(parents=True, exist_ok=True)
     vals = [s for s in slots if s.role == VALIDATION and s.scenario == name]
@@ -173,9 +172,8 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
                          calibration_ratios=[served_ratio(model, runs[c][0])[0] for c in fed])
             # the host term: the same model at the speed this run's steps actually had
             # (an oracle, not a prediction; what is left against the real run is the model's)
-            speed_path = out / f"calibrated.r{v.round}.run_speed.json"
-            speed_path.write_text(json.dumps(scaled_model(model, actual / priced)))
-            at_speed.append(run_sim(config, trace, str(speed_path), engine["first_visible"], JITTER_DRAWS).stats)
+            at_speed.append(run_sim_scaled(model, actual / priced, out / f"calibrated.r{v.round}.run_speed.json",
+                                           config, trace, engine["first_visible"], JITTER_DRAWS).stats)
             entry["errors_at_run_speed"] = rel_errors(at_speed[-1], real[-1])
         # calibrated: the mean of JITTER_DRAWS simulations with the calibration runs' step jitter
         stats, sim_e2e, sim_batch, _, draws = run_sim(config, trace, path, engine["first_visible"],

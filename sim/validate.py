@@ -26,8 +26,8 @@ agree). "sim (runs' speed)" goes further: each real run's steps, priced by the c
 against what they measured, is the run's speed (how the host ran that run: on a shared
 machine it moves by several % between runs minutes apart); the simulation at each run's
 speed, averaged, is an oracle, not a prediction: its error is the model's, and the rest of
-the plain sim's error is the host's. Also engine-side latencies from the step log (no HTTP) and the CPU seconds the
-server and the client used. Figure: per-request E2E latency, real (step log) vs
+the plain sim's error is the host's. Also engine-side latencies from the step log (no
+HTTP) and the CPU seconds the server and the client used. Figure: per-request E2E latency, real (step log) vs
 simulated (contended when there is that column), and the running batch size over time.
 """
 from __future__ import annotations
@@ -313,6 +313,16 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
     return SimRun(stats, e2e, batch, result, [[lat for _, lat in d[1]] for d in draws])
 
 
+def run_sim_scaled(model: dict, factor: float, path: Path, config: dict, trace: Trace,
+                   first_visible: dict[str, int] | None, jitter_draws: int = 0) -> SimRun:
+    """`run_sim` with every step of `model` taking `factor` times as long (the scaled model
+    is written to `path`, which the simulator reads)."""
+    from core.cost_fit import scaled_model
+
+    path.write_text(json.dumps(scaled_model(model, factor)))
+    return run_sim(config, trace, str(path), first_visible, jitter_draws)
+
+
 def sim_latencies(records, first_visible: dict[str, int] | None, first_delay: float,
                   last_delay: float) -> list[tuple[str, tuple[float, float | None, float]]]:
     """(request id, (ttft, tpot or None, e2e)) per finished simulated request in arrival
@@ -415,7 +425,7 @@ def run_speed(model: dict, log: Path, contention: float | None = None) -> float 
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from core.cost_fit import jitter_params, scaled_model
+    from core.cost_fit import jitter_params
     from sim.fitted_cost import FittedCostModel, load_cost_model_file
 
     FittedCostModel.from_file(args.cost_model, None)          # a bad file fails before any server starts
@@ -457,9 +467,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # the same simulation with every step slowed as much as the real runs' stepping
         # thread was kept off its core (the machine's neighbours, the client, the server's
         # own threads): what the twin predicts given the CPU the engine actually got
-        scaled_path = out / "cost_model.contended.json"
-        scaled_path.write_text(json.dumps(scaled_model(model, scale)))
-        contended, sim_e2e, sim_batch, _, _ = run_sim(config, trace, str(scaled_path), engine["first_visible"], draws)
+        contended, sim_e2e, sim_batch, _, _ = run_sim_scaled(model, scale, out / "cost_model.contended.json",
+                                                             config, trace, engine["first_visible"], draws)
         rows["sim (contended)"] = contended
         errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
     speeds = [run_speed(model, log, contention_scale(model, share))
@@ -467,11 +476,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if all(speeds):
         # the host term: each real run's workload priced at the speed its own logged steps
         # had (an oracle, not a prediction): what remains against the real runs is the model's
-        at_speed = []
-        for k, speed in enumerate(speeds, 1):
-            speed_path = out / f"cost_model.real{k}_speed.json"
-            speed_path.write_text(json.dumps(scaled_model(model, speed)))
-            at_speed.append(run_sim(config, trace, str(speed_path), engine["first_visible"], draws).stats)
+        at_speed = [run_sim_scaled(model, speed, out / f"cost_model.real{k}_speed.json", config, trace,
+                                   engine["first_visible"], draws).stats for k, speed in enumerate(speeds, 1)]
         rows["sim (runs' speed)"] = mean_stats(at_speed)
         errors["sim (runs' speed) vs mean"] = rel_errors(rows["sim (runs' speed)"], real_mean)
     if getattr(args, "baseline_cost_model", None):
