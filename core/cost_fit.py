@@ -31,6 +31,8 @@ import random
 from bisect import bisect_right
 from typing import Iterable, NamedTuple, Sequence
 
+from core.metrics import percentile
+
 FORMAT = "twinserve-step-cost"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)         # version 1: linear families only
@@ -177,8 +179,7 @@ def summarize_errors(errs: Sequence[float]) -> dict[str, float]:
     if not errs:
         return {"n": 0, "mean": float("nan"), "median": float("nan"), "p90": float("nan")}
     s = sorted(errs)
-    pick = lambda q: s[min(len(s) - 1, int(math.ceil(q * len(s))) - 1)]  # noqa: E731
-    return {"n": len(s), "mean": sum(s) / len(s), "median": pick(0.5), "p90": pick(0.9)}
+    return {"n": len(s), "mean": sum(s) / len(s), "median": percentile(s, 50), "p90": percentile(s, 90)}
 
 
 def _splits(n: int, k: int, seed: int):

@@ -12,15 +12,30 @@ from typing import Iterable
 from core.request import Request, RequestStatus
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default) of an already sorted list."""
-    if not sorted_values:
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (q in [0, 100]) of `values`, interpolated linearly between the
+    two nearest order statistics: numpy's default (`numpy.percentile(values, q)`, method
+    "linear"), the definition vLLM's `bench serve` reports. This is the project's one
+    percentile; every p50/p90/p99 goes through it.
+
+    `values` need not be sorted (an already sorted list is sorted again in O(n)).
+    No values gives NaN (numpy warns and gives NaN too): a statistic of nothing is not
+    zero. q outside [0, 100] or NaN is a ValueError.
+    """
+    if not 0.0 <= q <= 100.0:               # also refuses NaN
+        raise ValueError(f"percentile: q must be in [0, 100], got {q!r}")
+    v = sorted(values)
+    if not v:
         return float("nan")
-    k = (len(sorted_values) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    if lo == hi:
-        return sorted_values[lo]
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+    # numpy's arithmetic, step by step, so results agree to the last bit: the virtual
+    # index (n - 1) * q/100, and a lerp taken from the nearer end (monotone in q).
+    k = (len(v) - 1) * (q / 100.0)
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    t = k - lo
+    a, b = v[lo], v[hi]
+    diff = b - a
+    return b - diff * (1 - t) if t >= 0.5 else a + diff * t
 
 
 def describe(values: Iterable[float], percentiles=(50, 90, 99)) -> dict[str, float]:
@@ -47,6 +62,7 @@ class RequestRecord:
     num_swaps: int
     queue_time: float
     token_times: list[float]
+    reject_reason: str | None = None       # why the scheduler rejected it (core.scheduler._never_fits)
 
     @classmethod
     def from_request(cls, r: Request) -> "RequestRecord":
@@ -54,7 +70,7 @@ class RequestRecord:
         outs = [s.num_output_tokens for s in r.all_seqs()]
         return cls(r.request_id, r.status.value, m.arrival_time, m.first_scheduled_time, m.first_token_time,
                    m.finished_time, r.num_prompt_tokens, max(outs) if outs else 0, m.num_cached_prompt_tokens,
-                   m.num_preemptions, m.num_swaps, m.queue_time, m.token_times)
+                   m.num_preemptions, m.num_swaps, m.queue_time, m.token_times, r.reject_reason)
 
     @property
     def ttft(self) -> float | None:

@@ -9,6 +9,8 @@ import csv
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from core.metrics import percentile  # the one percentile (tests and callers use figures.percentile)
+
 import matplotlib
 import matplotlib.ticker
 
@@ -35,14 +37,6 @@ OUTLIER_STRETCH = 1.5  # would stretch the axis more than this factor (one outli
 def series_style(i: int) -> dict:
     """Colour and marker of the i-th series."""
     return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)]}
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (q in [0, 100]) of an ascending list."""
-    pos = (len(sorted_values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def read_csv(path: str | Path) -> list[dict]:

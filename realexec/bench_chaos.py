@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.metrics import percentile
+
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "chaos-key"
 
@@ -234,15 +236,6 @@ async def wait_idle(base: str, key: str, timeout: float = 120) -> dict[str, floa
 
 # ----------------------------------------------------------------------------- phases
 
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 async def run_phase(base: str, args, prompts: list[str], chaos: bool, rng: random.Random) -> list[Outcome]:
     import httpx
 
@@ -277,7 +270,7 @@ def summarize(outcomes: list[Outcome], reference: list[str]) -> dict:
         "slow_timed_out": sum(1 for o in slow if o.status == 408),
         "http_5xx": sum(1 for o in outcomes if o.status is not None and o.status >= 500),
         "transport_errors": sum(1 for o in outcomes if o.error and o.kind != "bad"),
-        "ttft_p50_ms": percentile(ttfts, 0.5) * 1000, "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000, "ttft_p99_ms": percentile(ttfts, 99) * 1000,
         "good_failures": [(o.status, o.error or o.sse_error, o.completion_tokens) for o in good if o not in ok][:10],
     }
 

@@ -3,24 +3,15 @@ from __future__ import annotations
 
 import statistics
 
+from core.metrics import percentile
+
 from .model import Trace
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between order statistics
-    (numpy's default), 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def summarize(values: list[int]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values) if values else 0.0,
-            "median": percentile(values, 50), "p99": percentile(values, 99)}
+    if not values:                          # an empty trace's lengths print as 0, not nan
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    return {"mean": statistics.fmean(values), "median": percentile(values, 50), "p99": percentile(values, 99)}
 
 
 def trace_stats(trace: Trace) -> dict:
