@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from .metadata import AttentionMetadata
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str = "torch"):
-    """A backend instance by name. "triton" is imported lazily (it needs triton + CUDA or
-    TRITON_INTERPRET=1)."""
+    """A backend instance by name: "torch" (the reference, any device), "cpu" (the
+    batched C++ kernel, compiled on first use), "triton" (CUDA; imported lazily: it needs
+    triton + CUDA or TRITON_INTERPRET=1)."""
+    if name == "cpu":
+        from .cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
     if name == "torch":
         from .torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()

@@ -1,0 +1,193 @@
+"""Paged attention on the CPU in one C++/OpenMP call per layer: the CPU default backend.
+
+Every sequence of a step (decodes, whole prefills, chunks after a cached or prefix-hit
+context) is handled by one call of `csrc/paged_attention.cpp`, which also writes the
+step's new K/V into the cache. It reads K/V block by block through the block tables (no
+gather into new tensors, no Python loop over sequences), spreads (sequence, kv head,
+query tile) work items over torch's OpenMP threads, and keeps the query heads of a GQA
+group together so each key block is loaded once per group.
+
+The kernel is a plain C ABI library built on first use with the system C++ compiler
+(`$CXX`, else g++/c++; about 1-2 s) into `$TWINSERVE_CACHE_DIR/kernels/` (default
+~/.cache/twinserve), keyed by the source, the flags and this CPU's feature flags
+(-march=native), and loaded with ctypes: no build-time dependency on torch and no torch
+headers to compile. It links libgomp.so.1, the soname torch's own OpenMP runtime is
+loaded under, so both share one thread pool and torch.set_num_threads applies to both.
+
+Only fp32 on the CPU runs the kernel; other dtypes and the cache-less profiling run fall
+back to the torch reference (`TorchAttentionBackend`, also the tests' oracle).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .metadata import AttentionMetadata
+from .torch_backend import TorchAttentionBackend
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+ABI_VERSION = 1
+# Query tokens per work item: rows = tile x GQA group; measured on SmolLM2 shapes (group 3).
+DEFAULT_TILE_ROWS = 48
+
+_ERRORS = {-1: "bad head counts, head size, block size or tile",
+           -2: "a slot_mapping entry lies outside the KV cache",
+           -3: "query_start_loc is not an increasing offset list within the batch",
+           -4: "a block table entry a sequence reads lies outside the KV cache (or the table is too narrow)"}
+_lock = threading.Lock()
+_lib = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ paged-attention kernel could not be compiled or loaded."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError("no C++ compiler found (set $CXX, or install g++) to build the CPU attention kernel; "
+                           "--attention-backend torch runs without one")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(compiler: str) -> Path:
+    from realexec.loader import cache_root
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler] + FLAGS).encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    return cache_root() / "kernels" / f"paged_attention-{key}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel into the cache (if not there yet) and return the library's path.
+    Concurrent builders (tensor-parallel workers) each compile to a temporary file and
+    rename it into place, so a reader never sees a half-written library."""
+    compiler = _compiler()
+    path = library_path(compiler)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise KernelBuildError(f"building the CPU attention kernel failed ({' '.join(cmd)}):\n"
+                                   f"{res.stderr.strip()[-2000:]}")
+        if verbose and res.stderr:
+            print(res.stderr)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_library():
+    """The compiled kernel as a ctypes library (built on first use; once per process)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = build()
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise KernelBuildError(f"loading the CPU attention kernel {path} failed: {e}") from e
+            if lib.twinserve_paged_attention_abi_version() != ABI_VERSION:
+                raise KernelBuildError(f"{path}: ABI version mismatch (delete it to rebuild)")
+            fn = lib.twinserve_paged_attention_f32
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, p, i64, p, p, i64,
+                           i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+            fn.restype = ctypes.c_int
+            _lib = lib
+        return _lib
+
+
+class CpuAttentionBackend:
+    """Batched paged attention on the CPU (fp32): one kernel call per layer and step."""
+    name = "cpu"
+
+    def __init__(self, tile_rows: int = DEFAULT_TILE_ROWS) -> None:
+        if tile_rows < 1:
+            raise ValueError(f"tile_rows must be >= 1, got {tile_rows}")
+        self.tile_rows = tile_rows
+        self._fn = load_library().twinserve_paged_attention_f32
+        self.reference = TorchAttentionBackend()
+        self._md: AttentionMetadata | None = None
+        self._step: tuple = ()
+
+    def _step_args(self, md: AttentionMetadata) -> tuple:
+        """The metadata as contiguous tensors of the kernel's dtypes, once per step (every
+        layer gets the same metadata object); the tensors are kept alive in self._step."""
+        if md is not self._md:
+            slots = md.slot_mapping.to(torch.int64).contiguous()
+            tables = md.block_tables.to(torch.int32).contiguous()
+            qsl = md.query_start_loc.to(torch.int32).contiguous()
+            lens = md.seq_lens.to(torch.int32).contiguous()
+            if tables.dim() != 2 or qsl.numel() != lens.numel() + 1:
+                raise ValueError(f"attention metadata: block_tables {tuple(tables.shape)}, query_start_loc "
+                                 f"{tuple(qsl.shape)} and seq_lens {tuple(lens.shape)} do not describe one batch")
+            self._step = (slots, tables, qsl, lens)
+            self._md = md
+        return self._step
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        if (k_cache is None or q.device.type != "cpu" or q.dtype != torch.float32
+                or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
+            return self.reference.forward(q, k, v, k_cache, v_cache, md, scale)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        if k_cache.shape[3] != head_dim or k_cache.shape[1] != md.block_size or num_heads % num_kv_heads:
+            raise ValueError(f"q {tuple(q.shape)} does not fit a KV cache of {tuple(k_cache.shape)}")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the KV cache tensors must be contiguous")
+        # The kernel takes one token stride per tensor; heads and head_dim must be packed.
+        q = q if q.stride()[1:] == (head_dim, 1) else q.contiguous()
+        k = k if k.stride()[1:] == (head_dim, 1) else k.contiguous()
+        v = v if v.stride()[1:] == (head_dim, 1) else v.contiguous()
+        slots, tables, qsl, lens = self._step_args(md)
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        tile = max(1, self.tile_rows // (num_heads // num_kv_heads))
+        rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                      k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens,
+                      tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(), lens.numel(),
+                      num_heads, num_kv_heads, head_dim, md.block_size, k_cache.shape[0], scale, tile,
+                      out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"CPU attention kernel: {_ERRORS.get(rc, f'code {rc}')} (q {tuple(q.shape)}, "
+                             f"cache {tuple(k_cache.shape)}, {md.num_seqs} sequences)")
+        return out
+
+
+def default_cpu_backend():
+    """The CPU default: the kernel backend, or (no compiler, build failed) the torch
+    reference with a warning saying why."""
+    try:
+        return CpuAttentionBackend()
+    except KernelBuildError as e:
+        warnings.warn(f"{e}\nfalling back to the slower torch attention backend", RuntimeWarning, stacklevel=2)
+        return TorchAttentionBackend()
