@@ -125,7 +125,7 @@ class Scheduler:
             return (f"its {slots} sequence(s) may need up to {worst} KV blocks; "
                     f"the cache has {self.cache_config.num_gpu_blocks}")
         if -(-prompt_len // bs) > self.cache_config.num_gpu_blocks - self.kv.watermark_blocks:
-            return f"prompt needs more KV blocks than the cache can admit"
+            return "prompt needs more KV blocks than the cache can admit"
         return None
 
     def abort(self, request_id: str) -> bool:

@@ -62,7 +62,7 @@ def make_random_checkpoint(src: Path, out: Path, std: float = 0.05, seed: int = 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg))
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
             else:

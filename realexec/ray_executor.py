@@ -34,7 +34,7 @@ import os
 import time
 from pathlib import Path
 
-from core.step_message import ModelRunnerOutput, StepMessage
+from core.step_message import StepMessage
 from realexec.config import EngineArgs
 from realexec.executor import ExecutorBase, InOrderReplies, WorkerError, load_engine_tokenizer
 from realexec.serialization import decode_step, encode_step

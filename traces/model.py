@@ -144,7 +144,7 @@ def iter_lines(path: str | Path) -> Iterator[str]:
     with open_text(path, newline="") as f:
         empty, line_no = True, 0
         try:
-            for line_no, line in enumerate(f, 1):
+            for line_no, line in enumerate(f, 1):  # noqa: B007 (line_no: read by the except clauses)
                 empty = empty and not line.strip()
                 yield line
         except UnicodeDecodeError:

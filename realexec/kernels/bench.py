@@ -179,7 +179,7 @@ def run(device: torch.device, dtype: torch.dtype, batch_sizes, seq_lens, timer, 
             ratio = f"{row['ratio']:6.2f}" if row["ratio"] is not None else f"{'n/a':>6}"
             print(f"{B:>4} {L:>6} {splits:>5} {us:9.1f} {eager_us:9.1f} {gbs:8.1f} {row['pct_copy']:6.1f} "
                   f"{fwd_us:9.1f} {t_us} {ratio}", flush=True)
-            del x, out
+            x = out = None          # free this shape's tensors (the closures above still name them)
     return rows
 
 

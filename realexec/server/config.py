@@ -67,7 +67,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif f.metadata["type"] is not None:
             kwargs["type"] = f.metadata["type"]
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
     return parser
 
 

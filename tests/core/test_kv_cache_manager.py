@@ -304,9 +304,10 @@ def test_lru_lfu_fifo_orders():
             ev.add(b)
     # Block 1 is hit (revived and released again); block 2 hit twice.
     for ev in (lru, lfu, fifo):
-        ev.remove(1); ev.touch(1); ev.add(1)
-        ev.remove(2); ev.touch(2); ev.add(2)
-        ev.remove(2); ev.touch(2); ev.add(2)
+        for block in (1, 2, 2):
+            ev.remove(block)
+            ev.touch(block)
+            ev.add(block)
     assert lru.pop() == 3          # least recently released
     assert lfu.pop() == 3          # never hit
     assert lfu.pop() == 1          # one hit, before two hits

@@ -20,7 +20,6 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 from core import InvalidRequestError, SamplingParams
 from realexec import LLM
 from realexec.bench_throughput import model_dir
-from realexec.engine import LLMEngine
 from tests.tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from core.cost_fit import (FAMILIES, StepCostEvaluator, check_model, choose_family, feature_values, fit_nonneg,
+from core.cost_fit import (StepCostEvaluator, check_model, choose_family, feature_values, fit_nonneg,
                            fit_step_cost, shape_of)
 from sim.config import SimConfig
 from sim.cost_model import BatchShape, RooflineCostModel

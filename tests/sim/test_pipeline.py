@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sim import SimConfig, SimEngine, resolve, simulate
+from sim import SimConfig, resolve, simulate
 from sim.cost_model import BatchShape, RooflineCostModel, kv_cache_capacity_blocks
 from sim.pipeline import PipelineSimEngine
 from sim.stages import (INTER_NODE_BANDWIDTH, PipelineCostModel, PipelineLayout, pipeline_kv_capacity_blocks,

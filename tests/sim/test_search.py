@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from core.metrics import summarize
 from sim import SimConfig, resolve, simulate
 from sim.cli import main as cli_main
 from sim.parallel import run_points
-from sim.search import SearchPoint, SearchSpec, enumerate_points, evaluate, pareto, probe, ranked, search
+from sim.search import SearchPoint, SearchSpec, enumerate_points, pareto, probe, ranked, search
 from traces import Trace, TraceRequest
 
 ROOT = Path(__file__).resolve().parents[2]

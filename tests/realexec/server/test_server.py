@@ -244,7 +244,7 @@ def test_logprobs(oai):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
-    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and len(top) >= 3
         assert value == pytest.approx(max(top.values()))        # greedy: the chosen token is the best
     r = oai.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}], max_tokens=4,

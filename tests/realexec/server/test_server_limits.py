@@ -288,7 +288,7 @@ def test_second_signal_exits_at_once(tiny_dir):
                 with httpx.Client(base_url=base, timeout=60) as c, c.stream(
                         "POST", "/v1/completions",
                         json={"prompt": "Once", "max_tokens": 2000, "stream": True, **IGNORE_EOS}) as resp:
-                    for line in resp.iter_lines():
+                    for _line in resp.iter_lines():
                         started.set()
             except httpx.HTTPError:
                 pass
