@@ -12,11 +12,11 @@ GET /metrics (Prometheus text). Errors use OpenAI's body
 
 A POST's life: the guard (an ASGI middleware) answers 401 without a valid API key and
 503 while the server drains for shutdown; the handler checks the content type (415),
-reads the body up to --max-request-body-bytes (413, before any parsing), then decodes,
-parses, validates and tokenizes it in a worker thread (`prepare`: 400 for bad UTF-8,
-bad JSON, bad fields, n / logprobs over the limits, prompt + max_tokens over the
-context), so a huge body never holds up the event loop or the engine thread. Only
-token ids reach the engine.
+reads the body up to --max-request-body-bytes (413, before any parsing) within
+--body-read-timeout (408), then decodes, parses, validates and tokenizes it in a worker
+thread (`prepare`: 400 for bad UTF-8, bad or too deeply nested JSON, bad fields, n /
+logprobs / prompts x n over the limits, prompt + max_tokens over the context), so a huge
+body never holds up the event loop or the engine thread. Only token ids reach the engine.
 """
 from __future__ import annotations
 
@@ -120,6 +120,8 @@ class OpenAIServer:
         self._unknown_fields_logged: set[str] = set()
         self.draining = False
         self.in_flight = 0                     # /v1 requests being answered (streams included)
+        self.before_engine = 0                 # ... of which still reading / parsing their body
+        self._body_reads: set[asyncio.Future] = set()   # resolved when the drain starts
 
     # -- errors -------------------------------------------------------------------------------
     def reject(self, e: BaseException, **kw) -> Response:
@@ -149,6 +151,8 @@ class OpenAIServer:
             data = json.loads(text, parse_constant=_reject_json_constant)
         except ValueError as e:
             raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        except RecursionError:          # e.g. 200 KB of "[": the parser recurses once per level
+            raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
         try:
@@ -167,11 +171,13 @@ class OpenAIServer:
             raise APIError(400, f"{'top_logprobs' if chat else 'logprobs'}={params.logprobs} is more than this "
                                 f"server returns (--max-logprobs {cfg.max_logprobs})",
                            param="top_logprobs" if chat else "logprobs")
+        raw_prompts = None if chat else req.prompts()
+        self._check_batch_size(1 if chat else len(raw_prompts), params.n)
         if chat:
             prompts = [self._tokenize(req.conversation(), "messages")]
         else:
             prompts = []
-            for p in req.prompts():
+            for p in raw_prompts:
                 if isinstance(p, str):
                     if not p:
                         raise APIError(400, "prompt is empty", param="prompt")
@@ -181,6 +187,21 @@ class OpenAIServer:
         for ids in prompts:
             self._check_context(len(ids), params.max_tokens, req, chat)
         return Prepared(req, model, params, prompts)
+
+    def _check_batch_size(self, num_prompts: int, n: int) -> None:
+        """Before tokenizing: prompts x n over --max-choices-per-request, or more prompts than
+        --max-waiting-requests (such a request would get 503 queue_full forever) are a 400."""
+        cfg = self.config
+        if num_prompts * n > cfg.max_choices_per_request:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} choices is more than this "
+                                f"server answers in one request (--max-choices-per-request "
+                                f"{cfg.max_choices_per_request}); split the prompts over several requests",
+                           param="prompt" if num_prompts > 1 else "n")
+        limit = cfg.max_waiting_requests
+        if limit is not None and num_prompts > limit:
+            raise APIError(400, f"{num_prompts} prompts in one request can never be queued: at most {limit} "
+                                f"requests may wait (--max-waiting-requests {limit}); split the prompts over "
+                                f"several requests", param="prompt")
 
     def _tokenize(self, what: str | list[dict], param: str) -> list[int]:
         engine = self.llm_engine
@@ -228,8 +249,17 @@ class OpenAIServer:
         return text
 
     async def read_prepared(self, raw: Request, kind) -> Prepared:
-        """Content type (415), body size (413, checked while reading, before parsing), then
-        `prepare` in a worker thread."""
+        """Content type (415), body size (413, checked while reading, before parsing), the
+        body in time (408) unless the drain starts first (503), then `prepare` in a worker
+        thread. Counted in `before_engine` throughout: the drain does not wait for these."""
+        self.before_engine += 1
+        try:
+            body = await self._read_body(raw)
+            return await asyncio.to_thread(self.prepare, body, kind)
+        finally:
+            self.before_engine -= 1
+
+    async def _read_body(self, raw: Request) -> bytes:
         ctype = raw.headers.get("content-type", "")
         media = ctype.split(";", 1)[0].strip().lower()
         if media != "application/json" and not media.endswith("+json"):
@@ -241,13 +271,37 @@ class OpenAIServer:
         declared = raw.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
-        chunks, size = [], 0
-        async for chunk in raw.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return await asyncio.to_thread(self.prepare, b"".join(chunks), kind)
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in raw.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        reading = asyncio.ensure_future(read())
+        drain_started = asyncio.get_running_loop().create_future()
+        self._body_reads.add(drain_started)
+        timeout = self.config.body_read_timeout
+        try:
+            done, _ = await asyncio.wait({reading, drain_started}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._body_reads.discard(drain_started)
+            if not reading.done():
+                reading.cancel()
+        if reading in done:
+            return reading.result()
+        # The rest of the body may still come: close the connection after answering.
+        close = {"Connection": "close"}
+        if drain_started in done:
+            err = as_api_error(ShuttingDownError("the server is shutting down; retry on another replica"))
+            err.headers = {**(err.headers or {}), **close}
+            raise err
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-read-timeout)",
+                       type="timeout_error", code="body_read_timeout", headers=close)
 
     async def start_stream(self, prep: Prepared, request_id: str) -> RequestStream:
         if self.draining:
@@ -286,17 +340,26 @@ class OpenAIServer:
         """Refuse new requests (503), wait up to `timeout` s for the running ones, then abort
         the rest: each gets a final error (an SSE error event when streaming)."""
         self.draining = True
+        for drain_started in list(self._body_reads):    # bodies still arriving: answered 503 now
+            if not drain_started.done():
+                drain_started.set_result(None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.in_flight and loop.time() < deadline:
+        while self.engine_requests and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.in_flight:
-            logger.warning("shutdown: aborting %d request(s) still running after %.1f s", self.in_flight, timeout)
+        if self.engine_requests:
+            logger.warning("shutdown: aborting %d request(s) still running after %.1f s",
+                           self.engine_requests, timeout)
             self.engine.abort_all(ShuttingDownError(
                 f"the server shut down before this request finished (--shutdown-timeout {timeout:g} s)"))
             deadline = loop.time() + 5.0
-            while self.in_flight and loop.time() < deadline:
+            while self.engine_requests and loop.time() < deadline:
                 await asyncio.sleep(0.05)
+
+    @property
+    def engine_requests(self) -> int:
+        """/v1 requests in flight that got past reading and parsing (the ones a drain waits for)."""
+        return self.in_flight - self.before_engine
 
     # -- logprobs -------------------------------------------------------------------------------
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 SERVE_HELP = "OpenAI-compatible HTTP server (completions, chat, models, health, metrics)"
 BENCH_SERVE_HELP = "serving benchmark: stream a trace's requests at a rate to an OpenAI-compatible server"
@@ -55,5 +56,11 @@ def run_serve(args: argparse.Namespace) -> int:
                             drain=app.state.server.drain, shutdown_timeout=config.shutdown_timeout)
     server.run()
     used = engine.scheduler.kv.stats().num_used_gpu_blocks
+    if used:                                   # every request has ended: these leaked (a bug)
+        failed = app.state.server.engine.error
+        why = f"the engine failed: {failed!r}" if failed else "leaked: every request has ended"
+        print(f"twinserve: stopped; {used} KV blocks still in use at exit ({why}); exit code 1",
+              file=sys.stderr, flush=True)
+        return 1
     print(f"twinserve: stopped; {used} KV blocks in use", flush=True)
     return 0

@@ -30,7 +30,15 @@ class ServerConfig:
               "(default: no limit)", int)
     max_request_body_bytes: int = _arg(4 * MiB, "larger request bodies get 413, refused before parsing", int)
     max_n: int = _arg(16, "largest `n` (parallel samples) one request may ask for", int)
+    # 256 = the default --max-num-seqs: one request cannot ask for more sequences than one
+    # step runs, so it cannot monopolise the engine for many steps or balloon the response.
+    max_choices_per_request: int = _arg(
+        256, "largest number of prompts x n (the choices in the answer) one request may ask for; "
+             "more get 400 before tokenizing", int)
     max_logprobs: int = _arg(20, "largest `logprobs` / `top_logprobs` one request may ask for", int)
+    body_read_timeout: float = _arg(
+        30.0, "answer 408 (and close the connection) when a request body has not fully arrived "
+              "this many seconds after its headers (a stalled or trickling upload)", float)
     request_timeout: float | None = _arg(
         None, "abort a request after this many seconds (408, or a final SSE error event once "
               "streaming); default: no timeout", float)
@@ -43,7 +51,7 @@ class ServerConfig:
             self.api_key = os.environ.get(API_KEY_ENV) or None
 
     def validate(self) -> None:
-        for name in ("max_request_body_bytes", "max_n"):
+        for name in ("max_request_body_bytes", "max_n", "max_choices_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -52,6 +60,8 @@ class ServerConfig:
             raise ValueError(f"--max-logprobs must be in [0, 20], got {self.max_logprobs}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
+        if not self.body_read_timeout > 0:
+            raise ValueError(f"--body-read-timeout must be > 0 seconds, got {self.body_read_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key:

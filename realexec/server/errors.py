@@ -19,6 +19,7 @@ REJECTION_CODES = (
     "invalid_value", "invalid_json", "invalid_encoding", "unsupported_media_type", "invalid_api_key",
     "model_not_found", "not_found", "method_not_allowed", "request_too_large", "context_length_exceeded",
     "queue_full", "shutting_down", "engine_dead", "engine_sleeping", "sleep_refused", "request_timeout",
+    "body_read_timeout",
     "client_closed_request", "internal_error",
 )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -409,6 +410,40 @@ def test_bad_requests_through_openai_client(oai):
     assert r.usage.completion_tokens == 2
 
 
+def test_prompts_times_n_capped_up_front(oai, http):
+    """Issue 26, defect 2: 20,000 one-token prompts in one 100 KB request ran for minutes
+    and starved everyone else. prompts x n over --max-choices-per-request (256 by
+    default) is a 400 naming the limit and the flag, answered before tokenizing."""
+    before = metrics(http)["twinserve:request_rejected_total{reason=invalid_value}"]
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=TINY, prompt=[[1]] * 20_000, max_tokens=1)
+    assert time.monotonic() - t0 < 10                                  # refused, not run
+    assert err.value.status_code == 400 and err.value.code == "invalid_value"
+    assert err.value.param == "prompt" and "--max-choices-per-request 256" in err.value.message
+    assert "20000 choices" in err.value.message
+    e = _error(http.post("/v1/completions", json={"prompt": [[1]] * 17, "n": 16, "max_tokens": 1}), 400, "prompt")
+    assert "17 prompt(s) x n=16 = 272 choices" in e["message"]
+    assert metrics(http)["twinserve:request_rejected_total{reason=invalid_value}"] == before + 2
+    r = oai.completions.create(model=TINY, prompt=[[1]] * 16, n=16, max_tokens=1)    # exactly 256: served
+    assert len(r.choices) == 256 and sorted(c.index for c in r.choices) == list(range(256))
+    idle(http)
+
+
+def test_deeply_nested_json_is_a_400(http, caplog):
+    """Issue 26, defect 3: 200 KB of '[' was a 500 (RecursionError) with two tracebacks
+    logged; it is malformed JSON like any other (400 invalid_json), and nothing is logged."""
+    before = metrics(http)["twinserve:request_rejected_total{reason=invalid_json}"]
+    with caplog.at_level("WARNING"):
+        for body in (b"[" * 200_000, b'{"prompt": ' + b"[" * 100_000 + b"1" + b"]" * 100_000 + b"}"):
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                e = _error(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
+                assert e["code"] == "invalid_json" and "nested too deeply" in e["message"], e
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR or rec.exc_info]
+    assert metrics(http)["twinserve:request_rejected_total{reason=invalid_json}"] == before + 4
+    assert http.get("/health").json() == {"status": "ok"}
+
+
 # ----------------------------------------------------------------------------- aborts, metrics
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(url, http):
@@ -494,6 +529,10 @@ def test_queue_limit_answers_503(tiny_dir):
                      for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
                 assert m["twinserve:num_requests_waiting"] == 1 and m["twinserve:num_requests_running"] == 1
                 assert m["twinserve:request_rejected_totalqueue_full"] == 2
+                # more prompts than may ever wait can never be queued: 400 (not "retry later")
+                e = _error(client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1}), 400,
+                           "prompt")
+                assert e["code"] == "invalid_value" and "--max-waiting-requests 1" in e["message"]
         assert client.get("/health").json() == {"status": "ok"}
         # both streams were closed by the client: the engine drains and serves again
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, **IGNORE_EOS})

@@ -29,6 +29,7 @@ KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 20_000
 TIMEOUT_S = 2.0
+BODY_READ_TIMEOUT_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def guarded(tiny_dir):
     from realexec.server.app import create_app
 
     config = ServerConfig(api_key=KEY, protect_metrics=True, max_request_body_bytes=BODY_LIMIT, max_n=4,
-                          max_logprobs=5, request_timeout=TIMEOUT_S)
+                          max_logprobs=5, request_timeout=TIMEOUT_S, body_read_timeout=BODY_READ_TIMEOUT_S)
     app = create_app(tiny_engine(tiny_dir, enable_prefix_caching=True), served_model_name=TINY, config=config)
     with serve(app) as base, httpx.Client(base_url=base, timeout=60, headers=AUTH) as client:
         yield client
@@ -44,6 +45,55 @@ def guarded(tiny_dir):
 
 def rejected(http, code: str) -> float:
     return metrics(http)[f"twinserve:request_rejected_total{{reason={code}}}"]
+
+
+def raw_http(base: str, data: bytes, timeout: float = 30,
+             close_wait: float = 0.0) -> tuple[int, dict[str, str], bytes, bool | None]:
+    """Send `data` as is on a fresh connection (whatever framing it claims) and read one
+    response: (status, headers, body, whether the server then closed the connection within
+    `close_wait` s; None without close_wait)."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            assert chunk, f"connection closed before a response: {buf!r}"
+            buf += chunk
+        head, body = buf.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines)}
+        length = int(headers["content-length"])
+        while len(body) < length:
+            chunk = s.recv(65536)
+            assert chunk, "connection closed mid-response"
+            body += chunk
+        body = body[:length]                     # (a pipelined second response may follow)
+        closed = None
+        if close_wait:
+            s.settimeout(close_wait)
+            try:
+                closed = s.recv(1) == b""
+            except socket.timeout:
+                closed = False
+        return int(status_line.split()[1]), headers, body, closed
+
+
+def post_head(content_length: int | None = None, chunked: bool = False, auth: bool = True) -> bytes:
+    lines = ["POST /v1/completions HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    if auth:
+        lines.append(f"Authorization: Bearer {KEY}")
+    if content_length is not None:
+        lines.append(f"Content-Length: {content_length}")
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def json_error(status: int, headers: dict, body: bytes, want_status: int) -> dict:
+    assert status == want_status, (status, body)
+    assert headers["content-type"] == "application/json", headers
+    return json.loads(body)["error"]
 
 
 def idle(http) -> dict:
@@ -100,8 +150,17 @@ def test_body_size_limit_before_parsing(guarded):
             yield b"y" * 1000
         yield b'"}'
     _error(guarded.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
-    # a lying Content-Length header is no way around it either: the body is counted as read
-    assert rejected(guarded, "request_too_large") == before + 2
+    # a lying Content-Length header is no way around it either: the body is counted as read.
+    # A small one next to a chunked body (HTTP/1.1 frames by the chunks, and the app still
+    # sees "Content-Length: 100"):
+    big_chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks()) + b"0\r\n\r\n"
+    e = json_error(*raw_http(str(guarded.base_url), post_head(100, chunked=True) + big_chunked)[:3], 413)
+    assert e["code"] == "request_too_large"
+    # a small one with a large body: only the declared bytes are the body (here a JSON
+    # fragment), the rest is no request at all; nothing past the limit is ever parsed
+    status, _, body, _ = raw_http(str(guarded.base_url), post_head(12) + big)
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_json"
+    assert rejected(guarded, "request_too_large") == before + 3
     ok = json.dumps({"prompt": "x " * 100, "max_tokens": 1}).encode()
     assert guarded.post("/v1/completions", content=ok, headers={"content-type": "application/json"}).status_code == 200
 
@@ -127,6 +186,34 @@ def test_n_logprobs_and_context_limits(guarded):
     r = guarded.post("/v1/completions", json={"prompt": "hi", "n": 4, "logprobs": 5, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 4
     idle(guarded)
+
+
+def test_context_length_boundary(guarded):
+    """prompt + max_tokens == max_model_len (2048) is served; one token more is refused, and
+    so is a prompt that leaves no room for a completion."""
+    ok = guarded.post("/v1/completions", json={"prompt": [1] * 2047, "max_tokens": 1, **IGNORE_EOS})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"] == {"prompt_tokens": 2047, "completion_tokens": 1, "total_tokens": 2048}
+    e = _error(guarded.post("/v1/completions", json={"prompt": [1] * 2047, "max_tokens": 2}), 400, "max_tokens")
+    assert e["code"] == "context_length_exceeded" and "you requested 2049 tokens" in e["message"]
+    e = _error(guarded.post("/v1/completions", json={"prompt": [1] * 2048, "max_tokens": 1}), 400, "prompt")
+    assert e["code"] == "context_length_exceeded" and "your prompt has 2048 tokens" in e["message"]
+    idle(guarded)
+
+
+def test_stalled_upload_gets_a_json_408(guarded):
+    """Issue 26, defect 6: headers promising 1000 bytes, then 13 and silence: after
+    --body-read-timeout the client gets an OpenAI-style JSON 408 and the connection closes."""
+    before = rejected(guarded, "body_read_timeout")
+    t0 = time.monotonic()
+    status, headers, body, closed = raw_http(str(guarded.base_url), post_head(1000) + b'{"prompt": "h',
+                                             close_wait=5)
+    elapsed = time.monotonic() - t0
+    e = json_error(status, headers, body, 408)
+    assert e["code"] == "body_read_timeout" and "--body-read-timeout" in e["message"]
+    assert BODY_READ_TIMEOUT_S <= elapsed < BODY_READ_TIMEOUT_S + 3, elapsed
+    assert closed                               # the other 987 bytes will not be read as a request
+    assert rejected(guarded, "body_read_timeout") == before + 1
 
 
 def test_request_timeout(guarded):
@@ -305,6 +392,60 @@ def test_second_signal_exits_at_once(tiny_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stalled_upload_does_not_hold_the_drain(tiny_dir):
+    """Issue 26, defect 6: a client stalled mid-body (Content-Length 1000, 13 bytes sent)
+    held the exit after SIGTERM for the whole --shutdown-timeout plus 10 s and got a
+    text/plain 500. A request that never reached the engine is not waited for: it gets a
+    JSON 503 at once and the server exits promptly (default --body-read-timeout 30 s)."""
+    proc, base = _start_server(tiny_dir, "--shutdown-timeout", "30")
+    try:
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(post_head(1000, auth=False) + b'{"prompt": "h')
+            time.sleep(1.0)                              # the handler is waiting for the body now
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            buf = b""
+            while chunk := s.recv(65536):                # answered, then the connection closes
+                buf += chunk
+        head, body = buf.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"content-type: application/json" in head.lower(), buf
+        assert json.loads(body)["error"]["code"] == "shutting_down"
+        assert proc.wait(20) == 0
+        assert time.monotonic() - t0 < 10, "the exit waited for the stalled upload"
+        out = proc.stdout.read()
+        assert "twinserve: stopped; 0 KV blocks in use" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_exits_nonzero_when_kv_blocks_leak(tiny_dir, monkeypatch, capsys):
+    """`serve` checks the KV cache at exit: with every request ended, a block still in use
+    is a leak, reported with its count and a non-zero exit code (not a quiet 0)."""
+    import realexec.engine
+    from core import SamplingParams
+    from realexec.cli import build_parser
+    from realexec.server import cli, lifecycle
+
+    def leaky_run(server):                              # instead of serving: one request left allocated
+        engine = server.config.app.state.server.llm_engine
+        engine.add_request([1] * 40, SamplingParams(max_tokens=5), request_id="leak")
+        engine.step()
+        leaky_run.used = engine.scheduler.kv.stats().num_used_gpu_blocks
+
+    monkeypatch.setattr(lifecycle.DrainingServer, "run", leaky_run)
+    monkeypatch.setattr(realexec.engine, "freeze_startup_heap", lambda: 0)   # no gc.freeze of pytest's heap
+    monkeypatch.setattr(realexec.engine, "keep_freed_memory", lambda: False)
+    argv = ["serve", "--model", tiny_dir, "--block-size", "16", "--num-gpu-blocks", "64", "--swap-space", "0.01",
+            "--port", "0"]
+    assert cli.run_serve(build_parser(argv).parse_args(argv)) == 1
+    assert leaky_run.used == 3                          # 40 prompt tokens + 1 in blocks of 16
+    err = capsys.readouterr().err
+    assert "twinserve: stopped; 3 KV blocks still in use at exit (leaked" in err, err
 
 
 # ----------------------------------------------------------------------------- bench chaos
