@@ -519,6 +519,10 @@ def test_replay_prices_steps_in_the_profiles_time_basis(smollm_log):
     for basis, key in (("cpu", "cpu_s"), ("wall", "step_s")):
         report = replay(str(smollm_log), TenMs(basis))
         assert report.equal and report.time_basis == basis
+        # every phase the log's steps fall in has its error (an empty dict would pass the loop)
+        assert set(report.step_time_error) == {phase_of(len(s["decision"]["batch"]),
+                                                        sum(b[2] for b in s["decision"]["batch"]))
+                                               for s in steps}
         for phase, got in report.step_time_error.items():
             want = summarize_errors([abs(0.01 - s[key]) / s[key] for s in steps
                                      if phase_of(len(s["decision"]["batch"]),
