@@ -17,7 +17,9 @@ O(context):
     `new_block_ids` is the whole new table;
   * the batch itself, in order: per scheduled sequence its first new position, number of
     new tokens and number of samples (four parallel int lists: cheap to encode);
-  * sequences and requests that left (workers drop their state), block swap/copy lists.
+  * sequences and requests that left (workers drop their state, before they add this
+    message's arrivals: a request id may be reused once its request has finished),
+    block swap/copy lists.
 
 The same message type serves every executor (in-process, one process per rank, one Ray
 actor per rank). Pure Python: serialization is the executor's business.
@@ -111,7 +113,7 @@ class StepMessageBuilder:
 
     def __init__(self) -> None:
         self._sent: dict[int, _Sent] = {}
-        self._req_seqs: dict[str, int] = {}   # request id -> sequences the workers hold
+        self._reqs: dict[str, object] = {}    # request id -> the Request the workers hold params of
         self._step = 0
 
     @property
@@ -121,6 +123,9 @@ class StepMessageBuilder:
     def build(self, out) -> StepMessage:
         msg = StepMessage(step_id=self._step)
         self._step += 1
+        # Departures first, as the workers apply them: a request id reused by a new request
+        # must leave (with its params and seeded generator) before the new one arrives.
+        self._drop_finished(msg)
         sent = self._sent
         seq_ids, starts, num_tokens, num_samples = msg.seq_ids, msg.starts, msg.num_tokens, msg.num_samples
         for s in out.scheduled:
@@ -148,7 +153,6 @@ class StepMessageBuilder:
             st.num_blocks = len(table)
             st.last_block = table[-1] if table else -1
             st.num_tokens = len(toks)
-        self._drop_finished(msg)
         msg.blocks_to_swap_out = list(out.blocks_to_swap_out)
         msg.blocks_to_swap_in = list(out.blocks_to_swap_in)
         msg.blocks_to_copy = list(out.blocks_to_copy)
@@ -157,24 +161,27 @@ class StepMessageBuilder:
     def _new_seq(self, msg: StepMessage, seq, table: list[int]) -> None:
         request = seq.request
         rid = request.request_id
-        if rid not in self._req_seqs:
-            self._req_seqs[rid] = 0
+        held = self._reqs.get(rid)
+        if held is not request:
+            if held is not None:   # departures ran first: only a live request can still be held
+                raise RuntimeError(f"request id {rid!r} is held by the workers for a live request "
+                                   f"and reused by another one")
+            self._reqs[rid] = request
             msg.new_requests.append(NewRequest(rid, params_to_plain(request.params), request.eos_token_id))
-        self._req_seqs[rid] += 1
         msg.new_seqs.append(NewSeq(seq.seq_id, rid, list(seq.token_ids), seq.num_prompt_tokens, list(table)))
         self._sent[seq.seq_id] = _Sent(seq, table, len(seq.token_ids))
 
     def _drop_finished(self, msg: StepMessage) -> None:
         """Sequences that left (finished, pruned, or their request finished or was aborted)
-        since the last message. Checked here, not read from SchedulerOutput.finished_request_ids, because
-        the engine skips empty steps and their finished ids with them."""
-        gone = [sid for sid, st in self._sent.items() if _left(st.seq)]
-        for sid in gone:
-            rid = self._sent.pop(sid).seq.request.request_id
+        and requests that finished, since the last message. Checked here, not read from
+        SchedulerOutput.finished_request_ids, because the engine skips empty steps and their
+        finished ids with them. A request stays while it is live, even when none of its
+        sequences is held (an n > 1 parent that stopped before its forks were sent)."""
+        sent = self._sent
+        for sid in [sid for sid, st in sent.items() if _left(st.seq)]:
+            del sent[sid]
             msg.finished_seq_ids.append(sid)
-            left = self._req_seqs[rid] - 1
-            if left:
-                self._req_seqs[rid] = left
-            else:
-                del self._req_seqs[rid]
-                msg.finished_req_ids.append(rid)
+        done = [rid for rid, request in self._reqs.items() if request.status.finished]
+        for rid in done:
+            del self._reqs[rid]
+        msg.finished_req_ids.extend(done)

@@ -35,11 +35,13 @@ class MirroringExecutor(ToyExecutor):
     """The toy executor, plus a worker-side state fed only with encoded messages; every
     step checks that the state the worker would compute from equals the scheduler's."""
 
-    def __init__(self):
+    def __init__(self, sched=None):
         super().__init__()
         self.builder = StepMessageBuilder()
         self.runner = ModelRunner(None, "cpu", BS, None)
         self.bytes = []
+        self.sched = sched              # given: also check the workers hold exactly its live sequences
+        self.ever_sent: set[int] = set()
 
     def execute_model(self, out):
         msg = self.builder.build(out)
@@ -58,7 +60,30 @@ class MirroringExecutor(ToyExecutor):
             assert mine.request.params == s.seq.request.params
         # The workers hold exactly the live sequences they were ever sent.
         assert set(self.runner.seqs) == set(self.builder._sent)
+        if self.sched is not None:
+            self.ever_sent.update(s.seq_id for s in out.scheduled)
+            check_mirror(self.runner, self.sched, self.ever_sent)
         return super().execute_model(out)
+
+
+def check_mirror(runner, sched, ever_sent: set[int]) -> None:
+    """The workers' state, rebuilt from the messages alone, against the scheduler's, read
+    without the builder: they hold exactly the live sequences of live requests that were
+    ever scheduled (no finished, aborted or pruned one), each under its own request with
+    that request's sampling params and EOS id, and exactly the live requests of those."""
+    live = {seq.seq_id: seq for r in sched.requests.values() if not r.is_finished
+            for seq in r.seqs if not seq.is_finished and seq.seq_id in ever_sent}
+    assert set(runner.seqs) == set(live), (f"workers hold {sorted(runner.seqs)}, "
+                                            f"the scheduler's live sent sequences are {sorted(live)}")
+    requests = {r.request_id: r for r in sched.requests.values() if not r.is_finished
+                and any(seq.seq_id in ever_sent for seq in r.all_seqs())}
+    assert set(runner.requests) == set(requests)
+    for sid, seq in live.items():
+        assert runner.seqs[sid].request is runner.requests[seq.request.request_id]
+    for rid, r in requests.items():
+        mine = runner.requests[rid]
+        assert mine.params == r.params, f"workers sample {rid!r} with {mine.params}, not {r.params}"
+        assert mine.eos_token_id == r.eos_token_id
 
 
 def add_mixed_workload(engine, lengths, outs, ns, beam) -> None:
@@ -104,6 +129,90 @@ def test_workers_rebuild_the_schedulers_view(lengths, outs, ns, beam, preemption
     ex.runner.update_states(ex.builder.build(type("Empty", (), {"scheduled": [], "blocks_to_swap_out": [],
                                                                 "blocks_to_swap_in": [], "blocks_to_copy": []})()))
     assert not ex.runner.seqs and not ex.runner.requests and not ex.builder._sent
+
+
+PARAMS = st.builds(
+    lambda kind, n, temperature, seed, max_tokens: (
+        SamplingParams(beam_width=2, temperature=0.0, max_tokens=max_tokens) if kind == "beam" else
+        SamplingParams(n=n, temperature=temperature, seed=seed, max_tokens=max_tokens)),
+    kind=st.sampled_from(["sample", "sample", "beam"]), n=st.sampled_from([1, 1, 2, 3]),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]), seed=st.none() | st.integers(0, 9),
+    max_tokens=st.integers(1, 10))
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.sampled_from("abc"), st.integers(1, 20), PARAMS, st.sampled_from([None, 3])),
+    st.tuples(st.just("abort"), st.sampled_from("abc")),
+    st.tuples(st.just("step"), st.integers(1, 4))), max_size=40)
+
+
+@given(ops=OPS, preemption=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       blocks=st.integers(10, 24), budget=st.integers(4, 40))
+def test_workers_mirror_the_scheduler_with_request_ids_reused(ops, preemption, caching, blocks, budget):
+    """After every message the workers hold exactly the scheduler's live sequences with
+    their own request's params, while ids "a", "b", "c" come back with other params
+    (sampled, seeded, greedy, n > 1, beams) after finishing or being aborted, and a small
+    pool preempts (recompute or swap)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=40),
+                      CacheConfig(block_size=BS, num_gpu_blocks=blocks, num_cpu_blocks=16,
+                                  enable_prefix_caching=caching, watermark=0.0),
+                      PolicySet.from_names(preemption=preemption))
+    ex = MirroringExecutor(sched)
+    engine = EngineCore(sched, ex)
+    for op in ops + [("drain",)]:
+        if op[0] == "add":
+            _, rid, length, params, eos = op
+            if rid in sched.requests:
+                with pytest.raises(ValueError, match="duplicate request id"):
+                    engine.add_request(Request(rid, [1] * length, params))
+                continue
+            engine.add_request(Request(rid, [(ord(rid) + j) % VOCAB for j in range(length)], params,
+                                       eos_token_id=eos))
+        elif op[0] == "abort":
+            engine.abort_request(op[1])
+        else:
+            for _ in range(op[1] if op[0] == "step" else 2000):
+                if op[0] == "drain" and not (sched.has_unfinished_requests() or sched.has_unreported_finishes):
+                    break
+                engine.step()
+    assert not sched.has_unfinished_requests()
+    # The last departures reach the workers with the next message: then nothing is left.
+    ex.execute_model(sched.schedule())
+    assert not ex.runner.seqs and not ex.runner.requests
+
+
+def roomy_mirrored_engine():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40),
+                      CacheConfig(block_size=BS, num_gpu_blocks=64), PolicySet())
+    ex = MirroringExecutor(sched)
+    return EngineCore(sched, ex), sched, ex
+
+
+def test_a_reused_request_id_arrives_with_its_new_params():
+    """Defect: the workers kept the finished request's params for the new one (its
+    departure was sent after, not before, the arrival that reused the id)."""
+    engine, sched, ex = roomy_mirrored_engine()
+    greedy = SamplingParams(temperature=0.0, max_tokens=3)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=3)
+    engine.add_request(Request("a", [1, 2, 3], greedy))
+    engine.run_until_done(100)
+    engine.add_request(Request("a", [1, 2, 3], seeded))
+    engine.step()                                # the old "a" leaves and the new one arrives in one message
+    assert ex.runner.requests["a"].params == seeded
+    engine.run_until_done(100)
+
+
+def test_a_pruned_beam_leaves_the_workers_with_the_next_message():
+    engine, sched, ex = roomy_mirrored_engine()
+    req = engine.add_request(Request("beam", [5, 6, 7], SamplingParams(beam_width=2, temperature=0.0,
+                                                                        max_tokens=12)))
+    pruned_while_live = 0
+    sent_before: set[int] = set()
+    while sched.has_unfinished_requests():
+        engine.step()                            # MirroringExecutor checks every message
+        live = {seq.seq_id for seq in req.seqs}
+        if not req.is_finished:
+            pruned_while_live += len(sent_before - live - {seq.seq_id for seq in req.finished_seqs})
+        sent_before = set(ex.runner.seqs)
+    assert pruned_while_live > 0                 # the workload did prune beams mid-request
 
 
 def test_message_size_is_o_changes_not_o_context():
