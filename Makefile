@@ -32,7 +32,7 @@ lint: setup
 	$(BIN)/lint-imports
 
 docs: setup
-	$(BIN)/mkdocs build --strict --quiet    # into results/site/ (mkdocs.yml); `mkdocs serve` to browse
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet    # into results/site/; `mkdocs serve` to browse
 
 ci: lint docs test
 
