@@ -22,11 +22,12 @@ calibrated prediction within a run, for a twin that reproduces that spread
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
-step faster; a negative term is dropped and the rest refitted).
+step faster): a non-negative least squares fit (`fit_nonneg`, Lawson-Hanson).
 """
 from __future__ import annotations
 
 import math
+import operator
 import random
 from bisect import bisect_right
 from typing import Iterable, NamedTuple, Sequence
@@ -106,65 +107,154 @@ def shape_of(starts: Sequence[int], num_tokens: Sequence[int]) -> tuple[int, int
 
 
 # -- least squares --------------------------------------------------------------------------
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-12:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
+_EPS = 2.220446049250313e-16     # float64 machine epsilon
+# A column whose part outside the span of the columns already in the fit is below this
+# fraction of its norm is (numerically) a combination of them and stays at 0: decode steps
+# have seqs == tokens and pairs == context + seqs exactly.
+_DEPENDENT = 1e-10
+
+
+def _dot(u: Sequence[float], v: Sequence[float]) -> float:
+    return sum(map(operator.mul, u, v))
+
+
+def _householder(cols: list[list[float]], rhs: list[float]) -> int:
+    """In place, Householder QR of the matrix whose columns are `cols` (each n long),
+    applied to `rhs` too: afterwards the first p = min(n, len(cols)) entries of each
+    column are R's column (zeros below the diagonal) and of `rhs` are Q^T rhs's. Returns p."""
+    n = len(rhs)
+    p = min(n, len(cols))
+    for j in range(p):
+        v = cols[j][j:]
+        alpha = math.sqrt(_dot(v, v))
+        if alpha == 0.0:                       # already zero below the diagonal
+            continue
+        beta = -alpha if v[0] >= 0 else alpha  # the sign that avoids cancellation in v[0]
+        v[0] -= beta
+        vv = _dot(v, v)
+        for other in cols[j + 1:] + [rhs]:
+            seg = other[j:]
+            f = 2.0 * _dot(v, seg) / vv
             if f:
-                for k in range(col, n + 1):
-                    m[r][k] -= f * m[col][k]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
-    return x
+                other[j:] = [s - f * vi for s, vi in zip(seg, v)]
+        cols[j][j:] = [beta] + [0.0] * (n - j - 1)
+    return p
+
+
+def _least_squares(cols: Sequence[Sequence[float]], rhs: Sequence[float],
+                   norms: Sequence[float]) -> list[float] | None:
+    """argmin_z ||sum_i z_i cols[i] - rhs|| for a few short columns; None when a column is
+    (numerically) a combination of the ones before it (norms: each column's norm)."""
+    work = [list(c) for c in cols]
+    q = list(rhs)
+    p = _householder(work, q)
+    m = len(work)
+    if p < m or any(abs(work[i][i]) <= _DEPENDENT * norms[i] for i in range(m)):
+        return None
+    z = [0.0] * m
+    for i in range(m - 1, -1, -1):
+        z[i] = (q[i] - sum(work[k][i] * z[k] for k in range(i + 1, m))) / work[i][i]
+    return z
 
 
 def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
-    """Non-negative coefficients minimising sum(((y - x.b) / y)^2). Columns are scaled to
-    unit max for conditioning; a column that is constant zero, collinear, or would get a
-    negative coefficient is dropped (coefficient 0) and the rest refitted."""
+    """Non-negative coefficients b minimising sum(((y - x.b) / y)^2): the non-negative least
+    squares solution (Lawson & Hanson's active-set algorithm, "Solving Least Squares
+    Problems", 1974, ch. 23), in pure Python for the core's few features. A column that is
+    all zeros, or a combination of the columns in the fit, gets coefficient 0.
+
+    The weighted problem (rows / y against ones, columns scaled to unit max) is reduced by
+    one Householder QR to its k x k triangle, on which the active-set steps run, so a step
+    costs k^3, not n k^2, and the fit keeps QR's accuracy (no normal equations)."""
     if not rows:
         raise ValueError("no samples to fit")
-    if any(v <= 0 for v in y):
-        raise ValueError("step times must be > 0 to fit")
+    if len(rows) != len(y):
+        raise ValueError(f"fit_nonneg: {len(rows)} rows but {len(y)} step times")
     k = len(rows[0])
-    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
-    active = []
-    for j in range(k):          # skip all-zero columns and copies of an earlier one (decode: seqs == tokens)
-        if any(r[j] for r in rows) and not any(all(r[i] == r[j] for r in rows) for i in active):
-            active.append(j)
-    while active:
-        a = [[0.0] * len(active) for _ in active]
-        rhs = [0.0] * len(active)
-        for r, t in zip(rows, y):
-            w = 1.0 / (t * t)
-            xs = [r[j] / scale[j] for j in active]
-            for i, xi in enumerate(xs):
-                if xi:
-                    rhs[i] += w * xi * t
-                    ai = a[i]
-                    for jj, xj in enumerate(xs):
-                        ai[jj] += w * xi * xj
-        sol = _solve(a, rhs)
-        if sol is None:                     # collinear: drop the last (richest) column
-            active.pop()
-            continue
-        worst = min(range(len(active)), key=lambda i: sol[i])
-        if sol[worst] < 0:
-            active.pop(worst)
-            continue
-        coef = [0.0] * k
-        for i, j in enumerate(active):
-            coef[j] = sol[i] / scale[j]
+    for i, (r, t) in enumerate(zip(rows, y)):
+        if len(r) != k:
+            raise ValueError(f"fit_nonneg: row {i} has {len(r)} features, row 0 has {k}")
+        if not all(map(math.isfinite, r)):
+            raise ValueError(f"fit_nonneg: row {i} has a non-finite feature: {list(r)}")
+        if not (t > 0 and math.isfinite(t)):
+            raise ValueError(f"step times must be > 0 to fit (and finite): sample {i} has {t!r}")
+    # weighted columns, scaled to unit max (all-zero ones left out)
+    cols, scale, live = [], [], []
+    for j in range(k):
+        c = [r[j] / t for r, t in zip(rows, y)]
+        s = max(map(abs, c))
+        if not math.isfinite(s):
+            raise ValueError(f"fit_nonneg: feature {j} divided by its step time overflows (max {s})")
+        if s > 0:
+            cols.append([v / s for v in c])
+            scale.append(s)
+            live.append(j)
+    coef = [0.0] * k
+    if not cols:
         return coef
-    return [0.0] * k
+    rhs = [1.0] * len(y)
+    p = _householder(cols, rhs)
+    # ||A x - 1||^2 == ||R x - d||^2 + (the part of 1 outside A's range): fit the triangle
+    x = _nnls([c[:p] for c in cols], rhs[:p])
+    for i, j in enumerate(live):
+        coef[j] = x[i] / scale[i]
+    return coef
+
+
+def _nnls(cols: list[list[float]], d: list[float]) -> list[float]:
+    """Lawson-Hanson: argmin ||sum_j x_j cols[j] - d|| over x >= 0 (cols: m columns, p long)."""
+    m = len(cols)
+    norms = [math.sqrt(_dot(c, c)) for c in cols]
+    dnorm = math.sqrt(_dot(d, d))
+    x = [0.0] * m
+    passive: list[int] = []              # the free columns, in the order they entered
+    refused: set[int] = set()            # columns that cannot enter until the passive set changes
+    max_steps = 10 * (m + 10)
+    steps = 0
+    while True:
+        r = list(d)
+        for j in passive:
+            xj = x[j]
+            r = [ri - xj * cj for ri, cj in zip(r, cols[j])]
+        # a gradient entry this small is rounding (|error| <~ m eps |col| (|d| + sum |col_i| x_i))
+        slack = 16 * max(m, len(d)) * _EPS * (dnorm + sum(norms[j] * x[j] for j in passive))
+        best, best_w = -1, 0.0
+        for j in range(m):
+            if norms[j] and j not in refused and j not in passive:
+                w = _dot(cols[j], r)
+                if w > slack * norms[j] and w > best_w:
+                    best, best_w = j, w
+        if best < 0:
+            return x
+        trial = passive + [best]
+        z = _least_squares([cols[j] for j in trial], d, [norms[j] for j in trial])
+        if z is None or z[-1] <= 0:          # dependent on the passive columns, or rounding
+            refused.add(best)
+            continue
+        passive, refused = trial, set()
+        while True:
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"fit_nonneg: the active-set iteration did not converge in {max_steps} "
+                                   f"steps ({m} features)")
+            if min(z) > 0:
+                break
+            # step from x towards z until the first passive coefficient reaches 0; drop it
+            alpha, first = min((x[j] / (x[j] - zj) if x[j] > zj else 0.0, j)
+                               for j, zj in zip(passive, z) if zj <= 0)
+            for j, zj in zip(passive, z):
+                x[j] = max(0.0, x[j] + alpha * (zj - x[j]))
+            x[first] = 0.0
+            passive = [j for j in passive if x[j] > 0]
+            if not passive:
+                z = []
+                break
+            z = _least_squares([cols[j] for j in passive], d, [norms[j] for j in passive])
+            if z is None:                     # cannot happen: a subset of independent columns
+                raise RuntimeError("fit_nonneg: lost the rank of the passive columns")
+        x = [0.0] * m
+        for j, zj in zip(passive, z):
+            x[j] = zj
 
 
 def predict_linear(features: Sequence[str], coef: Sequence[float], values: dict[str, float]) -> float:
