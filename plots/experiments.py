@@ -101,7 +101,7 @@ def run_allocation(scale: str, results: Path) -> str:
               "--out", results / "allocation.csv")
     for policy in ALLOCATIONS:
         sim("run", TRACE, *DEPLOYMENT, "--num-requests", p["num_requests"], "--rate", p["focus_rate"],
-            "--allocation", policy, "--quiet", "--out", results / "focus" / policy)
+            "--allocation", policy, "--quiet", "--overwrite", "--out", results / "focus" / policy)
     (results / "focus" / "rate.json").write_text(json.dumps({"rate": p["focus_rate"]}) + "\n")
     return out
 
@@ -136,7 +136,7 @@ def _fleet_comparison(name: str, trace: str, deployment: list, slo: tuple[float,
         for variant, flags in variants.items():
             out = Path(results) / name / f"x{ts:g}" / variant.replace(" ", "_").replace(":", "-")
             sim("run", trace, *deployment, "--num-requests", num_requests, "--time-scale", ts, *flags,
-                "--slo-ttft", slo[0], "--slo-tpot", slo[1], "--quiet", "--out", out)
+                "--slo-ttft", slo[0], "--slo-tpot", slo[1], "--quiet", "--overwrite", "--out", out)
             s = json.loads((out / "summary.json").read_text())
             row = {"load": f"{rate:.1f} req/s", "time_scale": ts, SERIES[name]: variant, "rate": rate}
             row.update({k: s.get(k) for k in FLEET_KEYS})
@@ -146,7 +146,7 @@ def _fleet_comparison(name: str, trace: str, deployment: list, slo: tuple[float,
             row["wait_ms"] = dis["mean_wait_for_decode_memory"] * 1e3 if dis else 0.0
             rows.append(row)
             lines.append(line(row))
-    (Path(results) / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    figures.write_json(Path(results) / f"{name}.json", rows)
     return "\n".join(lines)
 
 
@@ -243,8 +243,7 @@ def draw_routers(results: Path, out: Path) -> list[Path]:
     """The router figure, and its rows as routers_mooncake.json beside it."""
     rows = json.loads((Path(results) / "routers.json").read_text())
     Path(out).mkdir(parents=True, exist_ok=True)
-    data = Path(out) / "routers_mooncake.json"
-    data.write_text(json.dumps(rows, indent=1) + "\n")
+    figures.write_json(Path(out) / "routers_mooncake.json", rows)
     return [figures.router_comparison(rows, Path(out) / "routers_mooncake.png",
                                       title="Routers: Mooncake conversation trace, 4x Llama-3.1-8B / H100, "
                                             "prefix caching")]
@@ -254,8 +253,7 @@ def draw_disagg(results: Path, out: Path) -> list[Path]:
     """The disaggregation figure, and its rows as disagg_azure.json beside it."""
     rows = json.loads((Path(results) / "disagg.json").read_text())
     Path(out).mkdir(parents=True, exist_ok=True)
-    data = Path(out) / "disagg_azure.json"
-    data.write_text(json.dumps(rows, indent=1) + "\n")
+    figures.write_json(Path(out) / "disagg_azure.json", rows)
     ttft, tpot = DISAGG_SLO
     return [figures.disagg_comparison(rows, Path(out) / "disagg_azure.png",
                                       title=f"Disaggregation vs co-location, 4 GPUs: Azure conv 2023, Llama-3-8B / H100 "

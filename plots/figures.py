@@ -6,6 +6,7 @@ Every function returns the path it wrote.
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -345,3 +346,66 @@ def pp_vs_tp(rows: Iterable[Mapping], out: str | Path, *, title: str = "Pipeline
     axes[1].legend([handles[0][k] for k in keep], [handles[1][k] for k in keep], fontsize=8)
     fig.suptitle(title, fontsize=10)
     return _save(fig, out)
+
+
+def series_over_time(series: Mapping[str, Iterable[Mapping]], columns: Mapping[str, str], out: str | Path,
+                     *, title: str, scale: Mapping[str, float] | None = None) -> Path:
+    """One panel per column of timeseries.csv rows (`columns`: column -> axis label), one
+    step line per series (a run, or each replica of a fleet); `scale` multiplies a column
+    (e.g. 100 for a fraction shown in %)."""
+    series = {name: list(rows) for name, rows in series.items()}
+    fig, axes = plt.subplots(len(columns), 1, figsize=(7.5, 2.2 * len(columns) + 0.8), sharex=True, squeeze=False)
+    for ax, (column, label) in zip(axes[:, 0], columns.items()):
+        k = (scale or {}).get(column, 1.0)
+        for i, (name, rows) in enumerate(series.items()):
+            ax.step([float(r["time"]) for r in rows], [k * float(r[column]) for r in rows], where="post",
+                    color=PALETTE[i % len(PALETTE)], linestyle=("-", "--", "-.", ":")[i % 4], label=name,
+                    linewidth=1.0)
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(series)))
+    axes[-1, 0].set_xlabel("Simulated time (s)")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, out)
+
+
+def run_figures(run_dir: str | Path, *, title: str) -> list[Path]:
+    """The figures of one `sim run` result directory, written into it: latency_cdfs.png
+    (TTFT, TPOT, E2EL of the completed requests), batch_size.png (sequences and tokens per
+    step) and kv_usage.png (KV usage and the queues; a fleet's replicas one line each)."""
+    run_dir = Path(run_dir)
+    requests = read_csv(run_dir / "requests.csv")
+    steps = read_csv(run_dir / "timeseries.csv")
+    done = [r for r in requests if r["status"] in ("stop", "length")]
+    samples = {"completed requests": {m: [r[col] for r in done if isinstance(r.get(col), float)]
+                                      for m, col in (("ttft", "ttft"), ("tpot", "tpot"),
+                                                     ("e2el", "request_e2e_time"))}}
+    if steps and "replica" in steps[0]:
+        series: dict[str, list] = {}
+        for r in steps:
+            series.setdefault(f"replica {int(r['replica'])}", []).append(r)
+    else:
+        series = {"run": steps}
+    paths = [latency_cdfs(samples, run_dir / "latency_cdfs.png", metrics=("ttft", "tpot", "e2el"),
+                          title=f"Latency CDFs, {len(done):,} completed requests\n{title}"),
+             series_over_time(series, {"batch_size": "Sequences per step", "batch_tokens": "Tokens per step"},
+                              run_dir / "batch_size.png", title=f"Batch size over time\n{title}")]
+    if len(series) == 1:
+        paths.append(usage_over_time(steps, run_dir / "kv_usage.png", title=f"KV cache usage and queues\n{title}"))
+    else:
+        paths.append(series_over_time(series, {"kv_usage": "KV cache usage (%)", "running": "Running requests",
+                                               "waiting": "Waiting requests"}, run_dir / "kv_usage.png",
+                                      title=f"KV cache usage and queues per replica\n{title}",
+                                      scale={"kv_usage": 100.0}))
+    return paths
+
+
+def write_json(path: str | Path, data) -> Path:
+    """JSON as the figures' data files are committed: sorted keys, one-space indent, a
+    final newline, so that rerunning an experiment rewrites a file only if a value changed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return path

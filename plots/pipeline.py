@@ -40,7 +40,7 @@ def run(scale: str, results: Path, log=print) -> list[dict]:
             out = Path(results) / f"tp{tp}_pp{pp}" / f"rate{rate:g}"
             started = time.perf_counter()
             sim("run", TRACE, *DEPLOYMENT, "--tp", tp, "--pp", pp, "--rate", rate, "--num-requests",
-                p["num_requests"], "--quiet", "--out", out)
+                p["num_requests"], "--quiet", "--overwrite", "--out", out)
             summary = json.loads((out / "summary.json").read_text())
             row = {"layout": layout_name(tp, pp), "tp": tp, "pp": pp, "rate": rate,
                    **{k: summary[k] for k in KEYS}}
@@ -59,7 +59,7 @@ def draw(rows: list[dict], out: Path, num_requests: int) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = out / "pp_vs_tp.json"
-    data.write_text(json.dumps(rows, indent=1) + "\n")
+    figures.write_json(data, rows)
     png = figures.pp_vs_tp(rows, out / "pp_vs_tp.png",
                            title=f"Llama-2-70B on 8x A100-80G (NVLink), ShareGPT x{num_requests}, Poisson arrivals")
     return [png, data]

@@ -1,4 +1,4 @@
-"""`python -m realexec profile --out profile.json`: time real engine steps, fit a step-cost model.
+"""`python -m realexec profile [--out results/profile.json]`: time real engine steps, fit a step-cost model.
 
 The real engine (same scheduler, executor and workers as `serve`) runs small workloads
 chosen so that its steps cover a grid, and every executed step is timed (StepRecorder):
@@ -18,7 +18,10 @@ load average of 3 on 2 cores), which changes with the neighbours, not with the b
 `core.cost_fit` fits each part per phase, choosing
 the feature family by k-fold held-out error. Swap copies are timed apart (n blocks out
 and back in on the idle engine) and fitted as a fixed cost plus a cost per block. The
-file holds the raw samples and the fitted model (plain JSON; `python -m sim run --cost-model FILE` reads it).
+file holds the raw samples and the fitted model (plain JSON; `python -m sim run --cost-model FILE` reads it),
+and, in its `engine` section, the engine configuration `realexec serve` runs with the same
+flags (KV blocks, block size, max_model_len, max_num_seqs, max_num_batched_tokens, chunked
+prefill, ...): the deployment `sim run --cost-model FILE` simulates unless told otherwise.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ SWAP_BLOCKS, SWAP_BLOCKS_QUICK = (1, 4, 16, 64), (1, 4, 16)      # blocks per ti
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", required=True, help="write the samples and the fitted model here (JSON)")
+    parser.add_argument("--out", default="results/profile.json",
+                        help="write the samples and the fitted model here (JSON) [results/profile.json]")
     parser.add_argument("--quick", action="store_true", help="a small grid (CI, tiny models): seconds, not minutes")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each grid workload [3]")
     parser.add_argument("--folds", type=int, default=5, help="cross-validation folds for the held-out error [5]")
@@ -277,6 +281,22 @@ def format_report(model: dict) -> str:
     return "\n".join(lines)
 
 
+def engine_section(engine, max_num_batched_tokens: int | None) -> dict:
+    """The engine configuration `realexec serve` runs with the profile's flags (SimConfig's
+    field names; `sim run --cost-model` simulates it by default). `max_num_batched_tokens`
+    is the one the flags give (None: serve's default), not the profile grid's chunk."""
+    from core.config import default_max_num_batched_tokens
+    sched, cache, args = engine.scheduler.config, engine.scheduler.cache_config, engine.args
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_max_num_batched_tokens(sched.enable_chunked_prefill, sched.max_model_len)
+    return {"num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+            "max_model_len": sched.max_model_len, "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": sched.enable_chunked_prefill,
+            "enable_prefix_caching": cache.enable_prefix_caching, "watermark": cache.watermark,
+            "swap_space_gib": args.swap_space, "queue": args.queue_policy, "preemption": args.preemption_mode,
+            "victim": args.victim_policy, "eviction": args.eviction_policy}
+
+
 def run(args) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -286,6 +306,7 @@ def run(args) -> int:
     if engine_args.pipeline_parallel_size > 1:
         raise ValueError("profile times one batch per step; with pipeline-parallel-size > 1 batches overlap "
                          "(profile one stage's layers instead)")
+    served_batched = engine_args.max_num_batched_tokens          # what serve would use (None: its default)
     if engine_args.max_num_batched_tokens is None:
         engine_args.max_num_batched_tokens = QUICK_CHUNK if args.quick else FULL_CHUNK
     engine_args.validate()
@@ -299,11 +320,13 @@ def run(args) -> int:
               f"({'quick' if args.quick else 'full'} grid, {args.repeats} repeats)", file=sys.stderr)
         model = profile(engine, quick=args.quick, repeats=args.repeats, folds=args.folds,
                         time_basis=args.time_basis, log=lambda m: print(m, file=sys.stderr))
+        model["engine"] = engine_section(engine, served_batched)
     finally:
         engine.shutdown()
     for phase in PHASES:
         if not any(phase_of(s["seqs"], s["tokens"]) == phase for s in model["samples"]):
             raise ValueError(f"the profile has no {phase} steps")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(model, f, indent=1)
     print(format_report(model))

@@ -1,6 +1,6 @@
 """StepRecorder: watches a running LLMEngine and records each executed step.
 
-    with StepRecorder(engine, "steps.jsonl"):      # --step-log PATH on generate / serve / bench
+    with StepRecorder(engine, "results/steps.jsonl"):      # --step-log PATH on generate / serve / bench
         ...run requests...
 
 It hooks three calls of one engine instance (restored on close): `core.add_request`
@@ -24,6 +24,7 @@ tokens without text (a leading special token), so its client's first token comes
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 from core.step_log import config_record, step_decision, write_record
@@ -63,6 +64,8 @@ class StepRecorder:
         self.records: list[dict] = []
         self.keep = keep
         self.worker_timings = worker_timings
+        if path:                          # e.g. --step-log results/steps.jsonl in a fresh clone
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._file = open(path, "w") if path else None
         self._t0 = time.monotonic()
         self._executed = 0

@@ -1,7 +1,7 @@
 """Simulator speed: simulated output tokens per wall second, event skipping vs step by step,
 and what fleets cost.
 
-    python -m sim.bench [--quick] [--model Llama-3-8B --hardware H100] [--modes skip,step] [--fleet 1,2,4] [--repeat R]
+    python -m sim.bench [--quick] [--model NAME --hardware NAME] [--modes skip,step] [--fleet 1,2,4] [--repeat R]
 
 Workloads:
   (a) traces/sharegpt.json replayed to 10,000 requests (retime num_requests=10000);
@@ -20,9 +20,10 @@ the summed walls of N single engines each simulating the requests one replica se
 their times ("replicas alone": exactly the fleet's work, so the ratio is the fleet's own
 cost; ideal 1x). Each replica must reproduce its single engine's records exactly ("same").
 
-The default deployment is Llama-3-8B on one H100, which serves both traces at their
-offered rates (the CLI's default, Llama-2-13B on an A100-40G, is overloaded by the
-Azure trace: a queue growing for an hour, and 416 prompts longer than its 4k context).
+The default deployment is `sim run`'s (sim.config: Llama-2-13B on one A100-40G), which the
+Azure trace overloads (a queue growing for an hour, and 416 prompts longer than its 4k
+context); `--model Llama-3-8B --hardware H100` serves both traces at their offered rates
+(the deployment of the speed numbers measured before the defaults were made one).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from sim.config import DEFAULT_HARDWARE, DEFAULT_MODEL
 from sim.engine import SimConfig, resolve
 from sim.run import simulate
 from sim.results import build_summary
@@ -103,8 +105,8 @@ def parse_fleet(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2,000 requests per workload")
-    p.add_argument("--model", default="Llama-3-8B")
-    p.add_argument("--hardware", default="H100")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (default: %(default)s, as sim run)")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help="accelerator (default: %(default)s, as sim run)")
     p.add_argument("--modes", default="skip,step", help="comma-separated: skip (event skipping), step")
     p.add_argument("--repeat", type=int, default=1, metavar="R",
                    help="run every measurement R times and report the best wall (default 1)")

@@ -54,8 +54,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="scale a profile to served steps (serve a calibration slice, fit)",
                        description=__doc__.split("\n\n")[1])
     p.add_argument("trace", metavar="TRACE", help="trace file (any traces format)")
-    p.add_argument("--cost-model", required=True, metavar="FILE", help="`python -m realexec profile` output")
-    p.add_argument("--out", required=True, metavar="FILE", help="write the calibrated cost model here (JSON)")
+    p.add_argument("--cost-model", default="results/profile.json", metavar="FILE",
+                   help="`python -m realexec profile` output (default: %(default)s, where profile writes it)")
+    p.add_argument("--out", default="results/calibrated.json", metavar="FILE",
+                   help="write the calibrated cost model here (JSON; default: %(default)s)")
     p.add_argument("--load", type=parse_load, action="append", metavar="RATE:N[:ENGINE ARGS]",
                    help="a calibration run: N requests at RATE req/s, optional `realexec serve` flags; "
                         "repeat for several loads (default: 0.5:30 and 4:20:--num-gpu-blocks 40 --max-num-seqs 8)")
@@ -177,6 +179,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out = calibrate(model, runs, folds=args.folds)
     out["calibration"] = {"trace": args.trace, "skip": args.skip, "seed": args.seed,
                           "max_tokens_cap": args.max_tokens_cap, "loads": loads, "profile": args.cost_model}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(format_report(out))

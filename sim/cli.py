@@ -17,7 +17,7 @@ from pathlib import Path
 from policies import REGISTRY
 from sim import calibrate, compare, replay, search, validate
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
-                        positive_int)
+                        positive_int, with_measured_engine)
 from sim.engine import ResolvedConfig, resolve
 from sim.run import simulate
 from sim.results import build_summary, format_summary, write_results
@@ -32,6 +32,9 @@ SWEEP_COLUMNS = (
     "prefix_cache_hit_rate", "kv_usage_mean", "kv_usage_max",
     "token_states_share", "reserved_share", "internal_frag_share", "external_frag_share", "sharing_saving",
 )
+
+
+DEFAULT_RUN_DIR = "results/run"
 
 
 class UsageError(Exception):
@@ -75,7 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(run)
     run.add_argument("--rate", type=positive_float, metavar="R", default=None,
                      help="re-time arrivals to this mean rate in req/s (default: the trace's own times)")
-    run.add_argument("--out", default="results/run", metavar="DIR", help="results directory (default: %(default)s)")
+    run.add_argument("--out", default=None, metavar="DIR",
+                     help=f"results directory (default: {DEFAULT_RUN_DIR}/, or the first free {DEFAULT_RUN_DIR}-N/ "
+                          f"when it holds an earlier run); an existing DIR with results is refused unless "
+                          f"--overwrite")
+    run.add_argument("--overwrite", action="store_true", help="write over the results already in --out DIR")
+    run.add_argument("--plot", action="store_true",
+                     help="also write latency_cdfs.png, batch_size.png and kv_usage.png into the results directory")
     _add_fleet(run)
     sweep = sub.add_parser("sweep", help="simulate over rates (and policies); one CSV table",
                            description="Run the trace at several request rates (and policy variants) and "
@@ -155,7 +164,26 @@ def _add_ray(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
-    return config_from_args(args)
+    """The flags' SimConfig; with --cost-model, the engine it was measured on fills the
+    flags not given (a given one that differs is named in a warning)."""
+    try:
+        return with_measured_engine(config_from_args(args), getattr(args, "explicit", None))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The SimConfig fields the command line `argv` (command first) gives a value: the
+    command's parser run again over a namespace pre-filled with a marker (argparse only
+    fills in defaults that a namespace lacks)."""
+    import dataclasses
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = action.choices[argv[0]]
+    unset = object()
+    fields = {f.name for f in dataclasses.fields(SimConfig)}
+    ns = argparse.Namespace(**{a.dest: unset for a in sub._actions if a.dest in fields})
+    sub.parse_args(argv[1:], namespace=ns)
+    return {k for k, v in vars(ns).items() if v is not unset}
 
 
 def _resolve(config: SimConfig) -> ResolvedConfig:
@@ -190,26 +218,59 @@ def _load(args: argparse.Namespace, rate: float | None, max_model_len: int | Non
         raise UsageError(str(e)) from None
 
 
+def run_dir(out: str | None, overwrite: bool) -> Path:
+    """Where `sim run` writes. Like Vidur (a fresh directory per run) the default never
+    overwrites: results/run/, else the first free results/run-N/. A directory the user
+    names is theirs: refused if it holds results, unless --overwrite."""
+    def used(path: Path) -> bool:
+        return path.exists() and (not path.is_dir() or any(path.iterdir()))
+    if out is not None:
+        path = Path(out)
+        if used(path) and not overwrite:
+            raise UsageError(f"--out {out}: already holds results; add --overwrite to replace them, or name "
+                             f"another directory")
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--out {out}: is a file, not a directory")
+        return path
+    path, n = Path(DEFAULT_RUN_DIR), 1
+    while used(path) and not overwrite:
+        n += 1
+        path = Path(f"{DEFAULT_RUN_DIR}-{n}")
+    if n > 1:
+        print(f"note: {DEFAULT_RUN_DIR}/ holds an earlier run; writing {path}/ (--out DIR to choose)", file=sys.stderr)
+    return path
+
+
+def _finish_run(args: argparse.Namespace, out: Path, summary: dict, text: str, wall: float) -> int:
+    print(text)
+    if args.plot:
+        from plots import figures          # matplotlib only when asked (never from the engine)
+        title = f"{Path(args.trace).name}: {text.splitlines()[0].split(':')[0]}"
+        for path in figures.run_figures(out, title=title):
+            print(f"wrote {path}")
+    print(f"results in {out}/ (simulated in {wall:.2f} s wall)")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    out = run_dir(args.out, args.overwrite)
     resolved = _resolve(_config(args))
     trace = _load(args, args.rate, resolved.scheduler.max_model_len)
     if args.replicas > 1 or args.router or args.disaggregate:
         if resolved.config.pp > 1:
             raise UsageError("--pp simulates one pipelined replica; fleets (--replicas, --router, --disaggregate) "
                              "run one-stage replicas only")
-        return _run_fleet(args, resolved, trace)
+        return _run_fleet(args, resolved, trace, out)
     if args.slo_ttft or args.slo_tpot:
         raise UsageError("--slo-ttft/--slo-tpot report a fleet's goodput: add --replicas, --router or --disaggregate")
     started = time.perf_counter()
     result = simulate(resolved, trace, progress=not args.quiet)
     wall = time.perf_counter() - started
-    summary = write_results(result, args.out)
-    print(format_summary(summary))
-    print(f"results in {args.out}/ (simulated in {wall:.2f} s wall)")
-    return 0
+    summary = write_results(result, out)
+    return _finish_run(args, out, summary, format_summary(summary), wall)
 
 
-def _run_fleet(args: argparse.Namespace, resolved: ResolvedConfig, trace: Trace) -> int:
+def _run_fleet(args: argparse.Namespace, resolved: ResolvedConfig, trace: Trace, out: Path) -> int:
     from sim.disagg import DisaggConfig, DisaggFleet, parse_split
     from sim.fleet import Fleet, FleetConfig, format_fleet_summary, write_fleet_results
     if (args.slo_ttft is None) != (args.slo_tpot is None):
@@ -230,10 +291,8 @@ def _run_fleet(args: argparse.Namespace, resolved: ResolvedConfig, trace: Trace)
     started = time.perf_counter()
     result = fleet.run()
     wall = time.perf_counter() - started
-    summary = write_fleet_results(result, args.out, slo)
-    print(format_fleet_summary(summary))
-    print(f"results in {args.out}/ (simulated in {wall:.2f} s wall)")
-    return 0
+    summary = write_fleet_results(result, out, slo)
+    return _finish_run(args, out, summary, format_fleet_summary(summary), wall)
 
 
 def parse_policies(specs: list[str] | None) -> list[tuple[str, dict[str, str]]]:
@@ -417,7 +476,9 @@ def _fmt_ms(v) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.explicit = explicit_dests(parser, argv)
     try:
         return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "sharing": cmd_sharing,
                 "search": _cmd_search, "replay": _cmd_replay,
@@ -426,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:                     # e.g. the results directory cannot be written
-        print(f"error: {e}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -195,3 +195,74 @@ def add_config_args(parser: argparse.ArgumentParser) -> dict[str, argparse._Argu
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
+
+
+# -- the engine a cost model was measured on ------------------------------------------------------
+# `realexec profile` writes the engine configuration it ran (its `engine` section, SimConfig's
+# field names; `sim calibrate` keeps it): with --cost-model, a run simulates that engine
+# unless a flag says otherwise.
+ENGINE_FIELDS = ("num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "enable_chunked_prefill", "enable_prefix_caching", "watermark", "swap_space_gib", "queue",
+                 "preemption", "victim", "eviction")
+
+
+def _flag(name: str, value=None) -> str:
+    meta = SimConfig.__dataclass_fields__[name].metadata
+    flag = meta["flag"] or "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return flag if value is None else f"{flag} {value}"
+
+
+def measured_engine(model: dict, where: str) -> dict:
+    """The cost model's `engine` section, checked ({} for files from before it existed)."""
+    engine = model.get("engine") if isinstance(model, dict) else None
+    if engine is None:
+        return {}
+    if not isinstance(engine, dict):
+        raise ValueError(f"{where}: its 'engine' section must be an object, got {type(engine).__name__}")
+    out = {}
+    for name in ENGINE_FIELDS:
+        if name not in engine or engine[name] is None:
+            continue
+        value, default = engine[name], SimConfig.__dataclass_fields__[name].default
+        want = bool if isinstance(default, bool) else str if isinstance(default, str) else (int, float)
+        if not isinstance(value, want) or (want == (int, float) and isinstance(value, bool)):
+            raise ValueError(f"{where}: engine.{name} = {value!r} is not a {getattr(want, '__name__', 'number')}")
+        out[name] = value
+    return out
+
+
+def with_measured_engine(config: SimConfig, explicit: set[str] | None, warn=None) -> SimConfig:
+    """`config` simulating the engine its --cost-model was measured on: each field of the
+    file's `engine` section replaces the default of a flag the user did not give. A given
+    flag that differs from the measured engine is kept and named in one warning line.
+    `explicit`: the SimConfig fields given on the command line (None: those that differ
+    from SimConfig's defaults). --gpu-memory-utilization given sizes the KV cache from
+    memory instead of the measured block count."""
+    if config.cost_model is None:
+        return config
+    from sim.fitted_cost import load_cost_model_file
+    try:
+        model = load_cost_model_file(config.cost_model)
+    except ValueError:
+        return config                    # unreadable: resolve() says so, with the other checks
+    engine = measured_engine(model, config.cost_model)
+    if not engine:
+        return config
+    if explicit is None:
+        explicit = {f.name for f in dataclasses.fields(SimConfig) if getattr(config, f.name) != f.default}
+    changes, differs = {}, []
+    for name, value in engine.items():
+        if name == "num_gpu_blocks" and "gpu_memory_utilization" in explicit and name not in explicit:
+            differs.append(f"{_flag('gpu_memory_utilization', config.gpu_memory_utilization)} sizes the KV cache "
+                           f"(measured: {value:,} blocks)")
+        elif name not in explicit:
+            changes[name] = value
+        elif getattr(config, name) != value:
+            shown = ("on" if value else "off") if isinstance(value, bool) else value
+            differs.append(f"{_flag(name, getattr(config, name))} (measured: {shown})")
+    if differs:
+        (warn or (lambda m: print(m, file=sys.stderr)))(
+            f"warning: simulating another engine than {config.cost_model} was measured on: " + "; ".join(differs))
+    return dataclasses.replace(config, **changes)

@@ -386,7 +386,14 @@ class DisaggFleet(Fleet):
 
     def _prefill_finish(self, replica: PacedReplica, finish):
         def on_finish(requests):
-            finish(requests)
+            # The progress bar counts a request once, where it leaves the fleet: here only if
+            # it ends here (rejected, one-token), else when its decode half finishes.
+            pbar, replica._pbar = replica._pbar, None
+            fresh = {id(r) for r in requests if self.first_half[r.user_data] is None} if pbar is not None else ()
+            try:
+                finish(requests)
+            finally:
+                replica._pbar = pbar
             for request in requests:
                 blocks = self._holds.pop(request.request_id, None)
                 if blocks is None:               # rejected, or a one-token request: done here
@@ -394,6 +401,8 @@ class DisaggFleet(Fleet):
                             self.out_lens[request.user_data] > 1:
                         raise RuntimeError(f"request {request.request_id} finished its prefill on replica "
                                            f"{replica.index} without its KV held for the transfer")
+                    if id(request) in fresh:
+                        pbar.update(1)
                     continue
                 seq = request.finished_seqs[0]
                 t = Transfer(request.user_data, replica, blocks, list(seq.token_ids), request.metrics.finished_time)
@@ -498,7 +507,8 @@ class DisaggFleet(Fleet):
                 a.request_id, b.status, a.arrival_time, a.first_scheduled_time, a.first_token_time,
                 b.finished_time, a.num_prompt_tokens, a.num_output_tokens + b.num_output_tokens,
                 a.num_cached_prompt_tokens, a.num_preemptions + b.num_preemptions, a.num_swaps + b.num_swaps,
-                a.queue_time + b.queue_time, type(b.token_times)("d", [a.first_token_time, *b.token_times])))
+                a.queue_time + b.queue_time, type(b.token_times)("d", [a.first_token_time, *b.token_times]),
+                b.reject_reason))
         self.records = records
         per = []
         for r in self.replicas:

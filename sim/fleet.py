@@ -547,9 +547,10 @@ def fleet_summary(result: FleetResult, num_gpus: int | None = None,
     """summary.json of a fleet: the fleet's aggregates over all requests (same names as a
     single run), fleet-wide counters, and one block per replica. `slo` = (TTFT, TPOT)
     seconds adds goodput: requests meeting both per second, and per GPU."""
-    from sim.results import _clean
+    from sim.results import _clean, reject_reasons
     s = summarize(result.records)
     s = {"num_requests": len(result.records), **s}
+    s["reject_reasons"] = reject_reasons(result.records)
     reps = result.replicas
     s["num_preemptions"] = sum(r.num_preemptions for r in reps)
     s["num_swaps"] = sum(r.num_swaps for r in reps)

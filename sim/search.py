@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.metrics import summarize
+from sim.config import DEFAULT_HARDWARE, DEFAULT_MODEL
 from sim.engine import SimConfig, resolve
 from sim.run import simulate
 from sim.specs import HARDWARE, MODELS
@@ -253,15 +254,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--qps", type=float, required=True, help="target request rate (req/s)")
     p.add_argument("--slo-ttft-p90", type=float, required=True, metavar="S", help="p90 TTFT bound in seconds")
     p.add_argument("--slo-tpot-p90", type=float, required=True, metavar="S", help="p90 TPOT bound in seconds")
-    p.add_argument("--model", default="Llama-3-8B", help=f"{', '.join(MODELS)} (default: %(default)s)")
-    p.add_argument("--hardware", default="H100", help=f"{', '.join(HARDWARE)} (default: %(default)s)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"{', '.join(MODELS)} (default: %(default)s)")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help=f"{', '.join(HARDWARE)} (default: %(default)s)")
     p.add_argument("--max-gpus", type=int, required=True, help="GPUs available")
     p.add_argument("--tp-degrees", default="1,2,4,8", help="(default: %(default)s)")
     p.add_argument("--max-num-seqs", default="64,256", help="values to try (default: %(default)s)")
     p.add_argument("--chunk-sizes", default="512,2048", help="max_num_batched_tokens values (default: %(default)s)")
     p.add_argument("--disaggregate-splits", action="store_true", help="also try every prefill:decode split")
     p.add_argument("--router", default="least-requests", help="router of multi-replica points (default: %(default)s)")
-    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="every probed deployment reuses KV blocks of identical prompt prefixes")
     p.add_argument("--num-requests", type=int, default=300, help="requests per probe (default: %(default)s)")
     p.add_argument("--iterations", type=int, default=5, help="binary-search halvings per point (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="arrival seed (default: 0)")

@@ -86,8 +86,8 @@ def test_search_cli_prints_ranking_and_writes_csv_and_figure(tmp_path, tpot_slo,
     from traces import save_trace
     save_trace(fixed_trace(), trace)
     out, fig = tmp_path / "s.csv", tmp_path / "pareto.png"
-    assert cli_main(["search", str(trace), "--qps", "2", "--slo-ttft-p90", "0.5", "--slo-tpot-p90", str(tpot_slo),
-                     "--max-gpus", "2", "--tp-degrees", "1,2", "--max-num-seqs", "64", "--chunk-sizes", "2048",
+    assert cli_main(["search", str(trace), "--model", "Llama-3-8B", "--hardware", "H100",     # BASE's deployment
+                     "--qps", "2", "--slo-ttft-p90", "0.5", "--slo-tpot-p90", str(tpot_slo), "--max-gpus", "2", "--tp-degrees", "1,2", "--max-num-seqs", "64", "--chunk-sizes", "2048",
                      "--num-requests", "40", "--iterations", "2", "--out", str(out), "--plot", str(fig),
                      "--quiet"]) == 0
     text = capsys.readouterr().out
