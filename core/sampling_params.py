@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
+# temperature near 1e-38 overflows float32 to inf, whose softmax is NaN (every draw token 0).
+SAMPLING_EPS = 1e-5
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses up front; the message says why, `param` names the
@@ -20,7 +24,7 @@ class SamplingParams:
     length_penalty: float = 1.0      # beam score = cum_logprob / len ** length_penalty
     max_tokens: int | None = 16      # None: until max_model_len
     min_tokens: int = 0              # stop conditions are ignored before this many tokens
-    temperature: float = 1.0         # 0 = greedy
+    temperature: float = 1.0         # 0 (or below SAMPLING_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0                   # 0 = disabled
     seed: int | None = None
@@ -39,6 +43,11 @@ class SamplingParams:
     @property
     def use_beam_search(self) -> bool:
         return self.beam_width > 0
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax sampling: a temperature below SAMPLING_EPS, or top_k = 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:

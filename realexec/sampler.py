@@ -4,7 +4,8 @@ Rows are the sequences that sample this step (one logits row each). Per row, by 
 request's SamplingParams:
   * beam search: the top `num_samples` (= 2 * beam_width) tokens by log-softmax,
     best first, with their logprobs (core.beam_search.plan_beam_step ranks them);
-  * greedy (temperature 0): argmax, repeated `num_samples` times;
+  * greedy (temperature below core.sampling_params.SAMPLING_EPS, or top_k 1): argmax,
+    repeated `num_samples` times;
   * random: logits / temperature, top-k and top-p masks, then `num_samples`
     independent draws by the exponential-race trick (argmax of probs / Exp(1) noise).
     A request with a seed draws its noise from its own torch.Generator, created on its
@@ -89,7 +90,7 @@ class Sampler:
             params = s.seq.request.params
             if params.beam_width:
                 beam.append(i)
-            elif params.temperature == 0.0 or params.top_k == 1:
+            elif params.is_greedy:                 # temperature < SAMPLING_EPS, or top_k = 1
                 greedy.append(i)
             else:
                 random.append(i)

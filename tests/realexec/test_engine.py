@@ -592,3 +592,45 @@ def test_invalid_request_names_the_parameter(plain):
     with pytest.raises(InvalidRequestError) as err:           # n=600 sequences > max_num_seqs 256
         plain.generate(PROMPTS[0], SamplingParams(n=600))
     assert err.value.param == "n" and "req-" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- issue 26
+
+def test_temperature_below_epsilon_is_greedy(plain, reference):
+    """Defect: a temperature that underflows float32 (1e-40) gave inf logits, NaN
+    probabilities and only token 0. Below SAMPLING_EPS the sampler takes the argmax, seeded
+    or not, for every sample; at it, it samples."""
+    def outputs(temperature, seed=None, n=1):
+        params = SamplingParams(temperature=temperature, seed=seed, n=n, max_tokens=32, ignore_eos=True)
+        return [c.token_ids for c in plain.generate(PROMPTS[0], params)[0].outputs]
+
+    assert outputs(1e-40) == [reference[0]]
+    assert outputs(1e-40, seed=3, n=2) == [reference[0]] * 2
+    from core.sampling_params import SAMPLING_EPS
+    assert outputs(SAMPLING_EPS / 2, seed=3) == [reference[0]]
+    assert SamplingParams(temperature=SAMPLING_EPS / 2).is_greedy
+    assert not SamplingParams(temperature=SAMPLING_EPS).is_greedy
+
+
+def test_reused_request_id_samples_with_its_own_params(plain):
+    """Defect (every executor): a request reusing a finished request's id was sampled with
+    the old request's params, because its arrival reached the workers before the old one's
+    departure. Seeded sampling under a fresh id, greedy under "a", then the seeded request
+    again under "a": the third output is the first, not the greedy one."""
+    engine = plain.engine
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, **GREEDY)
+
+    def run(params, request_id):
+        engine.add_request(PROMPTS[1], params, request_id=request_id)
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id and out.finished:
+                    final = out.outputs[0].token_ids
+        return final
+
+    first = run(seeded, "fresh-seeded")
+    greedy_out = run(greedy, "a")
+    assert first != greedy_out                        # (else the test could not tell them apart)
+    assert run(seeded, "a") == first
