@@ -91,13 +91,14 @@ def prompt_ids(model: str) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(len(p) // 4 + 1)] for p in GREEDY_PROMPTS]
 
 
-def greedy_tokens(model: str, prompts, backend: str, max_tokens: int, eager: bool, device: str) -> list[list[int]]:
+def greedy_tokens(model: str, prompts, backend: str, max_tokens: int, eager: bool, device: str,
+                  compile_decode: bool = False) -> list[list[int]]:
     """Our engine's greedy tokens for GREEDY_PROMPTS in fp32."""
     from core import SamplingParams
     from realexec import LLM
 
     llm = LLM(model, device=device, dtype="float32", attention_backend=backend, enforce_eager=eager,
-              gpu_memory_utilization=0.3, max_num_seqs=64)
+              gpu_memory_utilization=0.3, max_num_seqs=64, compile_decode=compile_decode)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -137,7 +138,11 @@ def run_greedy(model: str, max_tokens: int, out: Path, device: str = "cuda", num
     torch.backends.cudnn.allow_tf32 = False
     results = {}
     prompts = prompt_ids(model)[:num_prompts]
-    for name, fn in [("triton+graphs", lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device)),
+    paths = [("triton+graphs", lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device))]
+    if device == "cuda":     # compile_decode only applies to the CUDA decode graphs
+        paths.append(("triton+graphs+compile",
+                      lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device, compile_decode=True)))
+    for name, fn in [*paths,
                      ("triton eager", lambda: greedy_tokens(model, prompts, "triton", max_tokens, True, device)),
                      ("torch eager", lambda: greedy_tokens(model, prompts, "torch", max_tokens, True, device)),
                      ("HF generate", lambda: hf_greedy_tokens(model, prompts, max_tokens, device))]:
@@ -242,16 +247,21 @@ def main(argv=None) -> int:
                    help="dir with a config.json + tokenizer: benchmark a random-weight model of its shapes")
     p.add_argument("--out", default="results/gpu", help="logs and JSON results [results/gpu]")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps together [480]")
-    p.add_argument("--steps", default="kernels,greedy,attention,throughput,serve")
-    p.add_argument("--greedy-tokens", type=int, default=48)
-    sub = p.add_subparsers(dest="inner")
-    g = sub.add_parser("greedy", help=argparse.SUPPRESS)
+    p.add_argument("--steps", default="kernels,greedy,attention,throughput,serve",
+                   help="comma-separated steps to run, in this order [kernels,greedy,attention,throughput,serve]")
+    p.add_argument("--greedy-tokens", type=int, default=48,
+                   help="tokens each greedy prompt generates in the greedy step [48]")
+    # The steps' own processes (greedy, serve): internal, so left out of --help. A parser's
+    # help=SUPPRESS does not hide a choice (argparse prints "==SUPPRESS=="): the whole
+    # subcommand action is hidden instead, and its parsers get no help entry.
+    sub = p.add_subparsers(dest="inner", help=argparse.SUPPRESS)
+    g = sub.add_parser("greedy")
     g.add_argument("model")
     g.add_argument("--max-tokens", type=int, default=48)
     g.add_argument("--json", required=True)
     g.add_argument("--device", default="cuda", help="cpu: a smoke run of this step (Triton interpreted)")
     g.add_argument("--num-prompts", type=int, default=None)
-    v = sub.add_parser("serve", help=argparse.SUPPRESS)
+    v = sub.add_parser("serve")
     v.add_argument("model")
     v.add_argument("--out", required=True)
     v.add_argument("--num-requests", type=int, default=400)
@@ -298,6 +308,9 @@ def main(argv=None) -> int:
         "throughput": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests", "256",
                         "--max-tokens-cap", "128", "--hf-batch-size", "64", "--output-json", str(out / "throughput.json")], 150, None),
         "serve": ([py, "-m", "realexec.bench_gpu", "serve", model, "--out", str(out)], 150, None),
+        "throughput-compiled": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests",
+                                 "256", "--max-tokens-cap", "128", "--skip-hf", "--compile-decode",
+                                 "--output-json", str(out / "throughput_compiled.json")], 150, None),
         "throughput-eager": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests",
                               "256", "--max-tokens-cap", "128", "--skip-hf", "--enforce-eager",
                               "--output-json", str(out / "throughput_eager.json")], 60, None),
@@ -308,7 +321,7 @@ def main(argv=None) -> int:
     }
     wanted = args.steps.split(",")
     if "throughput" in wanted:
-        wanted += ["throughput-eager", "throughput-torch"]
+        wanted += ["throughput-compiled", "throughput-eager", "throughput-torch"]
     unknown = [s for s in wanted if s not in steps]
     if unknown:
         print(f"error: unknown step(s) {unknown}; choose from {sorted(steps)}", file=sys.stderr)

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip the torch.compile'd decode graphs (the 'compiled ms' column)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("CUDA is not available on this machine: the graph-vs-eager benchmark needs a GPU (nothing run).")
@@ -44,8 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     runner = DecodeGraphRunner(model, caches, block_size=bs, max_batch=max(batches),
                                max_blocks_per_seq=blocks_per_seq, max_seq_len=ctx + 1, device=dev, capture=True)
     runner.capture()
+    compiled = None
+    if not args.no_compile:
+        import time
+
+        from realexec.compilation import compile_decode_forward
+        t0 = time.perf_counter()
+        compiled = DecodeGraphRunner(compile_decode_forward(model), caches, block_size=bs, max_batch=max(batches),
+                                     max_blocks_per_seq=blocks_per_seq, max_seq_len=ctx + 1, device=dev,
+                                     capture=True)
+        compiled.capture()
+        print(f"compiled and captured {len(compiled.buckets)} buckets in {time.perf_counter() - t0:.1f} s")
     print(f"{config.architecture}, {args.dtype}, context {ctx}, {torch.cuda.get_device_name()}")
-    print(f"{'batch':>6} {'eager ms':>10} {'graph ms':>10} {'speed-up':>9}")
+    print(f"{'batch':>6} {'eager ms':>10} {'graph ms':>10} {'speed-up':>9}"
+          + ("" if compiled is None else f" {'compiled ms':>12} {'vs graph':>9} {'max |diff|':>11}"))
     for b in batches:
         tables = torch.arange(1, 1 + b * blocks_per_seq, dtype=torch.int32, device=dev).view(b, blocks_per_seq)
         ids = torch.randint(0, config.vocab_size, (b,), device=dev)
@@ -59,7 +73,17 @@ def main(argv: list[str] | None = None) -> int:
             eager = cuda_time_us(lambda: model(ids, pos, caches, md), reps=args.reps, flush_l2=False)
             graph = cuda_time_us(lambda: runner.run(ids, pos, slots, lens, tables, [ctx + 1] * b),
                                  reps=args.reps, flush_l2=False)
-        print(f"{b:>6} {eager / 1000:>10.3f} {graph / 1000:>10.3f} {eager / graph:>8.2f}x")
+        row = f"{b:>6} {eager / 1000:>10.3f} {graph / 1000:>10.3f} {eager / graph:>8.2f}x"
+        if compiled is not None:
+            with torch.inference_mode():
+                comp = cuda_time_us(lambda: compiled.run(ids, pos, slots, lens, tables, [ctx + 1] * b),
+                                    reps=args.reps, flush_l2=False)
+                # The same step through both graphs (slots -1: the cache is left as it is).
+                none = torch.full_like(slots, -1)
+                want = runner.run(ids, pos, none, lens, tables, [ctx + 1] * b).float()
+                got = compiled.run(ids, pos, none, lens, tables, [ctx + 1] * b).float()
+            row += f" {comp / 1000:>12.3f} {graph / comp:>8.2f}x {(got - want).abs().max().item():>11.2e}"
+        print(row)
     print("target: graph >= 1.3x eager at batch 1")
     return 0
 
@@ -70,8 +94,10 @@ if __name__ == "__main__":
 
 # `python -m realexec bench kernels`: the kernel table, then graph vs eager.
 def add_kernels_arguments(parser) -> None:
-    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"],
+                        help="dtype of the attention tensors (bandwidth table) and of the model "
+                             "(graph-vs-eager table) [fp16]")
+    parser.add_argument("--reps", type=int, default=50, help="timed repetitions of each measurement [50]")
     parser.add_argument("--model", default=None, help="HF dir or GGUF for the graph-vs-eager rows "
                                                       "(default: embedded SmolLM2)")
 

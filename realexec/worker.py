@@ -231,8 +231,12 @@ class Worker:
             return
         from realexec.cuda_graph import DecodeGraphRunner
         max_len = min(cfg.max_position_embeddings, num_gpu_blocks * args.block_size)
+        forward = self.model
+        if args.compile_decode:
+            from realexec.compilation import compile_decode_forward
+            forward = compile_decode_forward(self.model)
         self.runner.graph_runner = DecodeGraphRunner(
-            self.model, self.gpu_cache, block_size=args.block_size, max_batch=min(args.max_num_seqs, 256),
+            forward, self.gpu_cache, block_size=args.block_size, max_batch=min(args.max_num_seqs, 256),
             max_blocks_per_seq=-(-max_len // args.block_size), max_seq_len=max_len, device=self.device,
             capture=True)
         self.runner.graph_runner.capture()
