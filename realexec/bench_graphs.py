@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     caches = [(torch.randn(shape, dtype=dtype, device=dev), torch.randn(shape, dtype=dtype, device=dev))
               for _ in range(config.num_hidden_layers)]
     runner = DecodeGraphRunner(model, caches, block_size=bs, max_batch=max(batches),
-                               max_blocks_per_seq=blocks_per_seq, max_seq_len=ctx + 1, device=dev, capture=True)
+                               max_blocks_per_seq=blocks_per_seq, max_seq_len=ctx + 1, device=dev, capture=True,
+                               buckets=batches)
     runner.capture()
     compiled = None
     if not args.no_compile:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         compiled = DecodeGraphRunner(compile_decode_forward(model), caches, block_size=bs, max_batch=max(batches),
                                      max_blocks_per_seq=blocks_per_seq, max_seq_len=ctx + 1, device=dev,
-                                     capture=True)
+                                     capture=True, buckets=batches)
         compiled.capture()
         print(f"compiled and captured {len(compiled.buckets)} buckets in {time.perf_counter() - t0:.1f} s")
     print(f"{config.architecture}, {args.dtype}, context {ctx}, {torch.cuda.get_device_name()}")

@@ -26,11 +26,12 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphRunner:
     def __init__(self, model, kv_caches, *, block_size: int, max_batch: int, max_blocks_per_seq: int,
-                 max_seq_len: int, device: torch.device, capture: bool):
+                 max_seq_len: int, device: torch.device, capture: bool, buckets: list[int] | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.buckets = decode_buckets(max_batch)
+        # `buckets` (benchmarks): capture only these batch sizes instead of decode_buckets'.
+        self.buckets = sorted(set(buckets)) if buckets else decode_buckets(max_batch)
         self.max_seq_len = max_seq_len
         self.device = device
         b, w = self.buckets[-1], max_blocks_per_seq
