@@ -12,7 +12,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from core.sampling_params import SamplingParams
+from core.sampling_params import InvalidRequestError, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -137,7 +137,15 @@ class Request:
         self.priority = priority              # lower value = served first (vLLM convention)
         self.arrival_time = arrival_time
         self.eos_token_id = eos_token_id
-        self.cache_salt = cache_salt           # mixed into block hashes: isolates caches
+        # Mixed into block hashes: isolates caches. One value: the params' salt unless given
+        # here too, and then the two must agree (a silent pick would leak prefixes across tenants).
+        salt = self.params.cache_salt
+        if cache_salt is None:
+            cache_salt = salt
+        elif salt is not None and salt != cache_salt:
+            raise InvalidRequestError(f"request {request_id!r}: cache_salt={cache_salt!r} differs from its "
+                                      f"SamplingParams.cache_salt={salt!r}; set one of them", "cache_salt")
+        self.cache_salt = cache_salt
         self.prompt = prompt
         self.user_data = user_data            # opaque to the core (backends attach state here)
         self.arrival_index = 0                # set by the scheduler: FCFS tie-break

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import event, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from core import CacheConfig, EngineCore, InvalidRequestError, Request, RequestStatus, SamplingParams, Scheduler, \
+    SchedulerConfig
 from policies import PolicySet
 from tests.core.toy_executor import VOCAB, AsyncToyExecutor, ToyExecutor, reference_outputs
 
@@ -403,3 +404,23 @@ def test_admission_counts_a_shared_revived_block_once():
     # Each needs one new block; the two cached blocks leave the free pool once: 2 + 2 = 4 <= 5.
     assert kv.can_admit(plan)
     assert sum(kv.blocks_needed(s, n, c) for s, n, c in plan) == 6   # per-sequence counts overlap
+
+
+def test_cache_salt_set_only_in_the_params_isolates_tenants():
+    """Defect: core.Request read only its own cache_salt argument, so salts set in
+    SamplingParams (as a server or LLM user does) shared prefix blocks across tenants."""
+    engine, sched, ex = make_engine(max_num_batched_tokens=64, max_model_len=32, block_size=4, num_gpu_blocks=32,
+                                    enable_prefix_caching=True)
+    prompt = list(range(10, 23))                      # three full blocks and one token
+    hits = {}
+    for rid, salt in (("t1", "tenant-a"), ("t2", "tenant-b"), ("t3", "tenant-a"), ("t4", None)):
+        req = engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=salt)))
+        engine.run_until_done(100)
+        hits[rid] = req.metrics.num_cached_prompt_tokens
+    assert hits == {"t1": 0, "t2": 0, "t3": 12, "t4": 0}
+    # Both places agreeing is fine; disagreeing is refused, naming the parameter.
+    assert Request("ok", prompt, SamplingParams(cache_salt="x"), cache_salt="x").cache_salt == "x"
+    with pytest.raises(InvalidRequestError, match="cache_salt='y' differs from its SamplingParams.cache_salt='x'") \
+            as err:
+        Request("bad", prompt, SamplingParams(cache_salt="x"), cache_salt="y")
+    assert err.value.param == "cache_salt"
