@@ -3,6 +3,7 @@ decode step runs before the request's KV has arrived, transfers wait for decode 
 results do not depend on event skipping."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,3 +150,68 @@ def test_event_skipping_changes_nothing_under_staggered_arrivals(split):
     check_invariants(fa, ra, trace)
     assert [t.target.index for t in fa.transfers] == [t.target.index for t in fb.transfers]
     assert ra.records == rb.records
+
+
+class _WatchedQueue(deque):
+    """A decode replica's transfer queue that records, when a transfer is queued, every
+    decode replica's free blocks net of the transfers already queued there (what the
+    target is chosen by), and, when one is taken off to be reserved, the replica's free
+    blocks, the blocks it needs and its watermark."""
+
+    def __init__(self, fleet: DisaggFleet, replica):
+        super().__init__()
+        self.fleet, self.replica = fleet, replica
+
+    def _net_free(self, d) -> int:
+        bs = d.resolved.cache.block_size
+        return d.scheduler.kv.gpu.num_free - sum(-(-(len(t.prompt) - 1) // bs) for t in d.queue)
+
+    def append(self, t):
+        self.fleet.choices.append((self.replica.index, [(d.index, self._net_free(d)) for d in self.fleet.decode]))
+        super().append(t)
+
+    def popleft(self):
+        t = self[0]
+        kv, bs = self.replica.scheduler.kv, self.replica.resolved.cache.block_size
+        self.fleet.reservations.append((kv.gpu.num_free, -(-(len(t.prompt) - 1) // bs), kv.watermark_blocks))
+        return super().popleft()
+
+
+def watched_run(config: DisaggConfig, trace: Trace):
+    fleet = DisaggFleet(config, trace)
+    fleet.choices, fleet.reservations = [], []
+    for d in fleet.decode:
+        d.queue = _WatchedQueue(fleet, d)
+    return fleet, fleet.run()
+
+
+@pytest.mark.parametrize("skipping", [True, False])
+def test_a_transfer_goes_to_the_decode_replica_with_the_most_free_blocks(skipping):
+    """Net of the transfers already queued there; ties to the lowest index."""
+    trace = tiny_trace([(64 * (1 + i % 7), 20 + 13 * (i % 5)) for i in range(60)], 0.004)
+    config = replace(SMALL, num_gpu_blocks=200, event_skipping=skipping)
+    fleet, result = watched_run(DisaggConfig(config, 2, 3, "pcie"), trace)
+    check_invariants(fleet, result, trace)
+    assert len(fleet.choices) == len(fleet.transfers) == 60
+    for target, free in fleet.choices:
+        most = max(f for _, f in free)
+        assert target == min(i for i, f in free if f == most), free
+    # the replicas differed at most choices: the rule was exercised, not a tie
+    assert sum(len({f for _, f in free}) > 1 for _, free in fleet.choices) > 30
+
+
+@pytest.mark.parametrize("skipping", [True, False])
+def test_a_transfer_is_reserved_only_above_the_decode_sides_watermark(skipping):
+    """The decode replica admits a transfer as it admits a request: the blocks it reserves
+    must leave its watermark free (here 10% of the pool, so running decodes can grow)."""
+    trace = tiny_trace([(300 + 37 * (i % 5), 30) for i in range(30)], 0.0)
+    config = replace(SMALL, num_gpu_blocks=200, watermark=0.1, event_skipping=skipping)
+    fleet, result = watched_run(DisaggConfig(config, 2, 1, "pcie"), trace)
+    check_invariants(fleet, result, trace)
+    assert len(fleet.reservations) == 30
+    for free, need, watermark in fleet.reservations:
+        assert watermark == 20
+        assert free - need >= watermark, (free, need)
+    # memory was tight: some transfer waited, and some reservation left close to the watermark
+    assert max(t.reserved_at - t.ready for t in fleet.transfers) > 0
+    assert min(free - need - watermark for free, need, watermark in fleet.reservations) < 20
