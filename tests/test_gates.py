@@ -38,3 +38,28 @@ def test_every_stated_rule_has_a_contract():
     assert {"sim", "realexec", "plots"} <= forbidden[("traces",)]
     engine_rule = next(v for k, v in forbidden.items() if "sim.engine" in k)
     assert engine_rule == {"plots"}
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """The README stays a front page (<= 250 lines; the rest lives in docs/), and every
+    relative link in it names a file in the repository."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "README.md over 250 lines: move the detail into docs/"
+    links = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text) if "://" not in t and not t.startswith("#")]
+    assert links, "the README links its docs pages"
+    missing = [t for t in links if not (ROOT / t).exists()]
+    assert not missing, missing
+    assert "source .venv/bin/activate" in text
+
+
+def test_ci_runs_the_gates_the_readme_names():
+    """.ci/run calls `make ci`, whose prerequisites are the lint, docs and test targets the README promises."""
+    import re
+
+    assert "make ci" in (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    ci = re.search(r"^ci:(.*)$", makefile, re.M)
+    assert ci and ci.group(1).split() == ["lint", "docs", "test"]
+    assert "make ci" in (ROOT / "README.md").read_text() and "make lint docs test" in (ROOT / "README.md").read_text()

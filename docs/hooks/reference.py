@@ -121,7 +121,7 @@ def render_parser(parser: argparse.ArgumentParser, level: int, title: str | None
                 rows.append(f"| {name} | {_default(a)} | {_cell(formatter._expand_help(a) if a.help else '')} |")
             if rows:
                 out.append(f"*{group.title}*\n\n| argument | default | help |\n|---|---|---|\n" + "\n".join(rows) + "\n")
-    for name, sub in subs.items():
+    for sub in subs.values():
         out.append(render_parser(sub, level + (0 if leaf_only and subs else 1)))
     return "\n".join(out)
 
