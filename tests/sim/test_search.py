@@ -138,3 +138,19 @@ def test_ray_sweep_equals_serial_sweep(ray_runtime, tmp_path, tpot_slo):
     assert serial == parallel and serial.count("\n") == 5
     s = spec(tpot_slo, iterations=1)
     assert search(s, fixed_trace(), use_ray=True, progress=False)[0] == search(s, fixed_trace(), progress=False)[0]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_probe_with_rejected_requests_fails_even_when_the_rest_meet_the_slos(tpot_slo, replicas):
+    """Rejected requests have no TTFT or TPOT, so the p90s of the others can meet the SLOs
+    while the deployment turns requests away: such a probe must fail."""
+    s = spec(tpot_slo)
+    good = fixed_trace(40)
+    # three prompts longer than Llama-3-8B's context: the scheduler rejects them
+    bad = Trace(good.requests[:37] + [TraceRequest(f"long{i}", 0.0, 9000, 64) for i in range(3)], "3 too long")
+    point = SearchPoint(2, replicas, 64, 2048)
+    ok, ttft, tpot = probe(s, point, good, 1.0)
+    assert ok
+    ok, ttft, tpot = probe(s, point, bad, 1.0)
+    assert ttft <= s.slo_ttft_p90 and tpot <= s.slo_tpot_p90        # the served ones meet the SLOs
+    assert not ok
