@@ -60,3 +60,8 @@ def test_other_modules_use_the_core_percentile():
     assert cost_fit.summarize_errors([1.0, 2.0, 3.0, 4.0])["median"] == 2.5
     assert stats.summarize([1, 2, 3, 4])["median"] == 2.5
     assert stats.percentile is percentile
+
+    import plots.figures as figures
+    import realexec.bench_chaos as bench_chaos
+
+    assert figures.percentile is percentile and bench_chaos.percentile is percentile
