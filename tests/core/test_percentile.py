@@ -56,7 +56,7 @@ def test_other_modules_use_the_core_percentile():
     import core.cost_fit as cost_fit
     import traces.stats as stats
 
-    # nearest-rank gave 3 here (the 2nd of 4); interpolated: 2.5
+    # nearest-rank gave 2.0 here (the 2nd of 4); interpolated: 2.5
     assert cost_fit.summarize_errors([1.0, 2.0, 3.0, 4.0])["median"] == 2.5
     assert stats.summarize([1, 2, 3, 4])["median"] == 2.5
     assert stats.percentile is percentile
