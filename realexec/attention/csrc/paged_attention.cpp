@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -30,15 +31,15 @@
 
 namespace {
 
-// exp(x) for a vector of floats, vectorizable (Cephes expf: range reduction by ln2, degree-6
-// polynomial; max relative error ~2e-7). x < -87.3 (including -inf) gives exactly 0.
-inline void exp_inplace(float* __restrict x, int n) {
+// x[i] = exp(x[i] - shift), vectorizable (Cephes expf: range reduction by ln2, degree-6
+// polynomial; max relative error ~2e-7). Arguments below -87.3 (-inf included) give 0.
+inline void exp_shifted(float* __restrict x, float shift, int64_t n) {
 #pragma omp simd
-    for (int i = 0; i < n; ++i) {
-        float v = x[i];
+    for (int64_t i = 0; i < n; ++i) {
+        float v = x[i] - shift;
         const bool under = v < -87.3f;
         v = std::min(std::max(v, -87.3f), 88.3f);
-        const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+        const float k = std::nearbyint(v * 1.44269504088896341f);
         float r = v - k * 0.693359375f;
         r = r - k * -2.12194440e-4f;
         float p = 1.9875691500E-4f;
@@ -48,17 +49,240 @@ inline void exp_inplace(float* __restrict x, int n) {
         p = p * r + 1.6666665459E-1f;
         p = p * r + 5.0000001201E-1f;
         p = p * r * r + r + 1.0f;
-        const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-        float scale;
-        std::memcpy(&scale, &bits, sizeof scale);
-        x[i] = under ? 0.0f : p * scale;
+        union { int32_t i; float f; } scale;
+        scale.i = (static_cast<int32_t>(k) + 127) << 23;
+        x[i] = under ? 0.0f : p * scale.f;
+    }
+}
+
+// ar[0:D] += sum_t p[t] * v[t][0:D] over n value rows `vstride` floats apart. With a
+// compile-time D the accumulator is a local array the compiler keeps in registers.
+template <int kD>
+inline void pv_accumulate(float* __restrict ar, const float* __restrict p, const float* __restrict v,
+                          int64_t vstride, int64_t n, int64_t D) {
+    if constexpr (kD > 0) {
+        float a[kD];
+        for (int d = 0; d < kD; ++d) a[d] = ar[d];
+        for (int64_t t = 0; t < n; ++t) {
+            const float pt = p[t];
+            const float* vr = v + t * vstride;
+#pragma omp simd
+            for (int d = 0; d < kD; ++d) a[d] += pt * vr[d];
+        }
+        for (int d = 0; d < kD; ++d) ar[d] = a[d];
+    } else {
+        for (int64_t t = 0; t < n; ++t) {
+            const float pt = p[t];
+            const float* vr = v + t * vstride;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ar[d] += pt * vr[d];
+        }
+    }
+}
+
+// Scores of 4 query rows (qstride floats apart) against one transposed key block
+// kt[d][t]: out[i][t] = q_i . k_t. Four rows share each key load and give the FMA units
+// 4 x BS/8 independent accumulator chains (one row alone is latency-bound).
+template <int kBS, int kD>
+inline void scores4(const float* __restrict q, int64_t qstride, const float* __restrict kt,
+                    float* __restrict out) {
+    float a0[kBS] = {}, a1[kBS] = {}, a2[kBS] = {}, a3[kBS] = {};
+    for (int d = 0; d < kD; ++d) {
+        const float* kd = kt + d * kBS;
+        const float x0 = q[d], x1 = q[qstride + d], x2 = q[2 * qstride + d], x3 = q[3 * qstride + d];
+#pragma omp simd
+        for (int t = 0; t < kBS; ++t) {
+            a0[t] += x0 * kd[t];
+            a1[t] += x1 * kd[t];
+            a2[t] += x2 * kd[t];
+            a3[t] += x3 * kd[t];
+        }
+    }
+    for (int t = 0; t < kBS; ++t) {
+        out[t] = a0[t];
+        out[kBS + t] = a1[t];
+        out[2 * kBS + t] = a2[t];
+        out[3 * kBS + t] = a3[t];
     }
 }
 
 struct Item {
-    int seq, head, j0, j1;   // sequence, kv head, query tokens [j0, j1) of the sequence
+    int seq, head, j0, j1;   // sequence, kv head (-1: a decode, all heads), query tokens [j0, j1)
     int64_t cost;            // keys x rows, for ordering the dynamic schedule
 };
+
+struct Args {
+    const float* q; int64_t q_stride;
+    const float* k_cache; const float* v_cache;
+    const int32_t* block_tables; int64_t bt_stride;
+    const int32_t* query_start_loc; const int32_t* seq_lens;
+    int64_t num_heads, G, D, BS, row;
+    float scale;
+    float* out;
+};
+
+struct Scratch {   // one per thread
+    std::vector<float> qs, acc, kt, s, m, l;
+    std::vector<int> pos;
+    Scratch(int64_t rows, int64_t D, int64_t BS)
+        : qs(rows * D), acc(rows * D), kt(D * BS), s(rows * BS), m(rows), l(rows), pos(rows) {}
+};
+
+// One work item. kBS / kD: compile-time block size and head size (0: the runtime values),
+// so the common shapes keep a row's scores and accumulator in registers.
+template <int kBS, int kD>
+void attend(const Args& a, const Item& it, Scratch& sc) {
+    const int64_t BS = kBS ? kBS : a.BS, D = kD ? kD : a.D, G = a.G, row = a.row;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const int32_t qs0 = a.query_start_loc[it.seq];
+    const int q_len = a.query_start_loc[it.seq + 1] - qs0;
+    const int ctx = a.seq_lens[it.seq] - q_len;
+    const int32_t* table = a.block_tables + it.seq * a.bt_stride;
+    const int64_t rows = int64_t(it.j1 - it.j0) * G;
+    float* __restrict qs = sc.qs.data();
+    float* __restrict acc = sc.acc.data();
+    float* __restrict kt = sc.kt.data();
+    float* __restrict s = sc.s.data();
+    float* m = sc.m.data();
+    float* l = sc.l.data();
+    int* pos = sc.pos.data();
+    // Row r = (token j0 + r / G, query head head * G + r % G), pre-scaled.
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = qs0 + it.j0 + r / G, hq = it.head * G + r % G;
+        const float* src = a.q + t * a.q_stride + hq * D;
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = src[d] * a.scale;
+        pos[r] = ctx + it.j0 + int(r / G);
+        m[r] = neg_inf;
+        l[r] = 0.0f;
+    }
+    std::fill(acc, acc + rows * D, 0.0f);
+    const int64_t num_keys = ctx + it.j1;   // the tile's last query sees keys [0, num_keys)
+    for (int64_t b0 = 0; b0 < num_keys; b0 += BS) {
+        const int64_t n = std::min<int64_t>(BS, num_keys - b0);
+        const int64_t base = int64_t(table[b0 / BS]) * BS * row + it.head * D;
+        for (int64_t t = 0; t < n; ++t) {        // kt[d][t] = K[b0 + t][d]
+            const float* kr = a.k_cache + base + t * row;
+            for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = kr[d];
+        }
+        for (int64_t t = n; t < BS; ++t)          // past the context: finite junk, masked below
+            for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = 0.0f;
+        int64_t r0 = 0;
+        if constexpr (kBS > 0 && kD > 0)
+            for (; r0 + 4 <= rows; r0 += 4) scores4<kBS, kD>(qs + r0 * D, D, kt, s + r0 * BS);
+        for (int64_t r = r0; r < rows; ++r) {    // the rest one row at a time
+            float* sr = s + r * BS;
+            for (int64_t t = 0; t < BS; ++t) sr[t] = 0.0f;
+            const float* qr = qs + r * D;
+            for (int64_t d = 0; d < D; ++d) {
+                const float qd = qr[d];
+                const float* kd = kt + d * BS;
+#pragma omp simd
+                for (int64_t t = 0; t < BS; ++t) sr[t] += qd * kd[t];
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t visible = std::min<int64_t>(n, pos[r] - b0 + 1);   // causal
+            if (visible <= 0) continue;          // the whole block lies after this query
+            float* sr = s + r * BS;
+            for (int64_t t = visible; t < BS; ++t) sr[t] = neg_inf;
+            float mx = m[r];
+#pragma omp simd reduction(max : mx)
+            for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sr[t]);
+            exp_shifted(sr, mx, BS);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < BS; ++t) sum += sr[t];
+            float* ar = acc + r * D;
+            if (mx != m[r]) {                    // rescale what was accumulated so far
+                const float alpha = m[r] == neg_inf ? 0.0f : std::exp(m[r] - mx);
+                l[r] *= alpha;
+                for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+                m[r] = mx;
+            }
+            l[r] += sum;
+            pv_accumulate<kD>(ar, sr, a.v_cache + base, row, visible, D);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = qs0 + it.j0 + r / G, hq = it.head * G + r % G;
+        float* dst = a.out + (t * a.num_heads + hq) * D;
+        const float inv = 1.0f / l[r];
+        const float* ar = acc + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = ar[d] * inv;
+    }
+}
+
+// A decode (one query token): one item covers all heads of the sequence, so every cache
+// block is read front to back once (block_size x Hkv x D contiguous floats), and q.k is a
+// dot product over D (a transpose would cost more than the G rows that reuse it).
+template <int kBS, int kD>
+void attend_decode(const Args& a, const Item& it, Scratch& sc) {
+    const int64_t BS = kBS ? kBS : a.BS, D = kD ? kD : a.D, G = a.G, row = a.row;
+    const int64_t rows = a.num_heads;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const int32_t t_out = a.query_start_loc[it.seq];
+    const int64_t num_keys = a.seq_lens[it.seq];
+    const int32_t* table = a.block_tables + it.seq * a.bt_stride;
+    float* __restrict qs = sc.qs.data();
+    float* __restrict acc = sc.acc.data();
+    float* __restrict s = sc.s.data();
+    float* m = sc.m.data();
+    float* l = sc.l.data();
+    const float* src = a.q + t_out * a.q_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = src[r * D + d] * a.scale;
+        m[r] = neg_inf;
+        l[r] = 0.0f;
+    }
+    std::fill(acc, acc + rows * D, 0.0f);
+    for (int64_t b0 = 0; b0 < num_keys; b0 += BS) {
+        const int64_t n = std::min<int64_t>(BS, num_keys - b0);
+        const float* kb = a.k_cache + int64_t(table[b0 / BS]) * BS * row;
+        const float* vb = a.v_cache + int64_t(table[b0 / BS]) * BS * row;
+        if (b0 + BS < num_keys) {                  // the next block sits elsewhere: fetch ahead
+            const char* nk = reinterpret_cast<const char*>(a.k_cache + int64_t(table[b0 / BS + 1]) * BS * row);
+            const char* nv = reinterpret_cast<const char*>(a.v_cache + int64_t(table[b0 / BS + 1]) * BS * row);
+            for (int64_t off = 0; off < BS * row * int64_t(sizeof(float)); off += 64) {
+                __builtin_prefetch(nk + off);
+                __builtin_prefetch(nv + off);
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t h = r / G;
+            const float* qr = qs + r * D;
+            float* sr = s + r * BS;
+            for (int64_t t = 0; t < n; ++t) {
+                const float* kr = kb + t * row + h * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+                sr[t] = dot;
+            }
+            for (int64_t t = n; t < BS; ++t) sr[t] = neg_inf;
+            float mx = m[r];
+#pragma omp simd reduction(max : mx)
+            for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sr[t]);
+            exp_shifted(sr, mx, BS);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < BS; ++t) sum += sr[t];
+            float* ar = acc + r * D;
+            if (mx != m[r]) {
+                const float alpha = m[r] == neg_inf ? 0.0f : std::exp(m[r] - mx);
+                l[r] *= alpha;
+                for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+                m[r] = mx;
+            }
+            l[r] += sum;
+            pv_accumulate<kD>(ar, sr, vb + h * D, row, n, D);
+        }
+    }
+    float* dst = a.out + t_out * a.num_heads * D;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) dst[r * D + d] = acc[r * D + d] * inv;
+    }
+}
 
 }  // namespace
 
@@ -120,6 +344,10 @@ int twinserve_paged_attention_f32(
                 std::memset(out + (query_start_loc[i] + j) * num_heads * D, 0, num_heads * D * sizeof(float));
             continue;
         }
+        if (q_len == 1) {
+            items.push_back({int(i), -1, 0, 1, int64_t(seq_len) * num_heads});
+            continue;
+        }
         for (int j0 = 0; j0 < q_len; j0 += tile) {
             const int j1 = std::min<int>(q_len, j0 + tile);
             const int64_t cost = int64_t(seq_len - q_len + j1) * (j1 - j0) * G;
@@ -128,85 +356,23 @@ int twinserve_paged_attention_f32(
     }
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
     const int64_t num_items = static_cast<int64_t>(items.size());
-    const float neg_inf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel
     {
-        const int64_t max_rows = tile * G;
-        std::vector<float> qs(max_rows * D), acc(max_rows * D), kt(D * BS), s(max_rows * BS);
-        std::vector<float> m(max_rows), l(max_rows);
-        std::vector<int> pos(max_rows);
+        Scratch sc(std::max(tile * G, num_heads), D, BS);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < num_items; ++w) {
-            const Item it = items[w];
-            const int32_t qs0 = query_start_loc[it.seq];
-            const int q_len = query_start_loc[it.seq + 1] - qs0;
-            const int ctx = seq_lens[it.seq] - q_len;
-            const int32_t* table = block_tables + it.seq * bt_stride;
-            const int64_t rows = int64_t(it.j1 - it.j0) * G;
-            // Row r = (token j0 + r / G, query head head * G + r % G), pre-scaled.
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t t = qs0 + it.j0 + r / G, hq = it.head * G + r % G;
-                const float* src = q + t * q_stride + hq * D;
-                float* dst = qs.data() + r * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
-                pos[r] = ctx + it.j0 + int(r / G);
-                m[r] = neg_inf;
-                l[r] = 0.0f;
-            }
-            std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
-            const int64_t num_keys = ctx + it.j1;   // the tile's last query sees keys [0, num_keys)
-            for (int64_t b0 = 0; b0 < num_keys; b0 += BS) {
-                const int64_t n = std::min<int64_t>(BS, num_keys - b0);
-                const int64_t base = int64_t(table[b0 / BS]) * BS * row + it.head * D;
-                for (int64_t t = 0; t < n; ++t) {        // kt[d][t] = K[b0 + t][d]
-                    const float* kr = k_cache + base + t * row;
-                    for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = kr[d];
-                }
-                for (int64_t r = 0; r < rows; ++r) {
-                    float* sr = s.data() + r * BS;
-                    const float* qr = qs.data() + r * D;
-                    std::fill(sr, sr + n, 0.0f);
-                    for (int64_t d = 0; d < D; ++d) {
-                        const float qd = qr[d];
-                        const float* kd = kt.data() + d * BS;
-#pragma omp simd
-                        for (int64_t t = 0; t < n; ++t) sr[t] += qd * kd[t];
-                    }
-                    const int64_t visible = std::min<int64_t>(n, pos[r] - b0 + 1);   // causal
-                    if (visible <= 0) continue;          // the whole block lies after this query
-                    float mx = m[r];
-                    for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, sr[t]);
-                    for (int64_t t = 0; t < visible; ++t) sr[t] -= mx;
-                    exp_inplace(sr, int(visible));
-                    float sum = 0.0f;
-                    for (int64_t t = 0; t < visible; ++t) sum += sr[t];
-                    float* ar = acc.data() + r * D;
-                    if (mx != m[r]) {                    // rescale what was accumulated so far
-                        const float alpha = m[r] == neg_inf ? 0.0f : std::exp(m[r] - mx);
-                        l[r] *= alpha;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-                        m[r] = mx;
-                    }
-                    l[r] += sum;
-                    for (int64_t t = 0; t < visible; ++t) {
-                        const float p = sr[t];
-                        const float* vr = v_cache + base + t * row;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
-                    }
-                }
-            }
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t t = qs0 + it.j0 + r / G, hq = it.head * G + r % G;
-                float* dst = out + (t * num_heads + hq) * D;
-                const float inv = 1.0f / l[r];
-                const float* ar = acc.data() + r * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) dst[d] = ar[d] * inv;
-            }
+            const Args a{q, q_stride, k_cache, v_cache, block_tables, bt_stride, query_start_loc, seq_lens,
+                         num_heads, G, D, BS, row, scale, out};
+            if (items[w].head < 0) {
+                if (BS == 16 && D == 64) attend_decode<16, 64>(a, items[w], sc);
+                else if (BS == 16 && D == 128) attend_decode<16, 128>(a, items[w], sc);
+                else if (BS == 32 && D == 64) attend_decode<32, 64>(a, items[w], sc);
+                else attend_decode<0, 0>(a, items[w], sc);
+            } else if (BS == 16 && D == 64) attend<16, 64>(a, items[w], sc);
+            else if (BS == 16 && D == 128) attend<16, 128>(a, items[w], sc);
+            else if (BS == 32 && D == 64) attend<32, 64>(a, items[w], sc);
+            else attend<0, 0>(a, items[w], sc);
         }
     }
     return 0;
