@@ -35,7 +35,9 @@ class EngineArgs:
     model: str | None = _arg(None, "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     dtype: str = _arg("auto", "auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, else the checkpoint's half type)")
     device: str = _arg("auto", "auto | cpu | cuda | cuda:N (auto: cuda when available)")
-    attention_backend: str | None = _arg(None, "torch | triton (default: triton on CUDA, torch on CPU)")
+    attention_backend: str | None = _arg(
+        None, "cpu | torch | triton (default: triton on CUDA; on CPU the batched C++ kernel (cpu), built on "
+              "first use, or torch (the reference) when no C++ compiler is found)")
     block_size: int = _arg(16, "tokens per KV block")
     max_num_seqs: int = _arg(256, "most sequences in one step")
     max_num_batched_tokens: int | None = _arg(
@@ -116,8 +118,8 @@ class EngineArgs:
             raise ValueError(f"ray-cpus-per-worker must be > 0, got {self.ray_cpus_per_worker}")
         if self.worker_timeout <= 0:
             raise ValueError(f"worker-timeout must be > 0 seconds, got {self.worker_timeout}")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ValueError(f"attention-backend must be torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in (None, "torch", "cpu", "triton"):
+            raise ValueError(f"attention-backend must be cpu, torch or triton, got {self.attention_backend!r}")
         from policies import PolicySet
         PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
         block_hasher(self.prefix_caching_hash_algo)

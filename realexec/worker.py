@@ -102,7 +102,10 @@ class Worker:
         return self.rank == self.layout.output_rank
 
     def _backend(self):
-        backend = self.args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        backend = self.args.attention_backend or ("triton" if self.device.type == "cuda" else "cpu")
+        if backend == "cpu" and self.args.attention_backend is None:
+            from realexec.attention.cpu_backend import default_cpu_backend
+            return default_cpu_backend()      # the torch reference, with a warning, if the kernel cannot build
         return TorchAttentionBackend() if backend == "torch" else backend
 
     def load_model(self):
@@ -231,15 +234,26 @@ class Worker:
             return
         from realexec.cuda_graph import DecodeGraphRunner
         max_len = min(cfg.max_position_embeddings, num_gpu_blocks * args.block_size)
-        forward = self.model
+
+        def captured(forward) -> DecodeGraphRunner:
+            runner = DecodeGraphRunner(
+                forward, self.gpu_cache, block_size=args.block_size, max_batch=min(args.max_num_seqs, 256),
+                max_blocks_per_seq=-(-max_len // args.block_size), max_seq_len=max_len, device=self.device,
+                capture=True)
+            runner.capture()
+            return runner
+
+        runner = None
         if args.compile_decode:
             from realexec.compilation import compile_decode_forward
-            forward = compile_decode_forward(self.model)
-        self.runner.graph_runner = DecodeGraphRunner(
-            forward, self.gpu_cache, block_size=args.block_size, max_batch=min(args.max_num_seqs, 256),
-            max_blocks_per_seq=-(-max_len // args.block_size), max_seq_len=max_len, device=self.device,
-            capture=True)
-        self.runner.graph_runner.capture()
+            try:
+                runner = captured(compile_decode_forward(self.model))
+            except Exception as e:       # a torch/Triton build inductor cannot handle: serve uncompiled
+                import warnings
+                warnings.warn(f"rank {self.rank}: compiling the decode forward failed ({type(e).__name__}: {e}); "
+                              "capturing uncompiled decode graphs instead (--no-compile-decode skips the attempt)",
+                              RuntimeWarning, stacklevel=2)
+        self.runner.graph_runner = runner or captured(self.model)
 
     # -- per step ---------------------------------------------------------------------------
     def execute_model(self, msg: StepMessage) -> ModelRunnerOutput | None:
