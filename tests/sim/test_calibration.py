@@ -337,6 +337,28 @@ def test_replay_reports_the_first_step_that_differs(smollm_log, tmp_path):
     assert ok.returncode == 0 and "identical at every step" in ok.stdout, ok.stdout + ok.stderr
 
 
+@pytest.mark.parametrize("key, change", [("preempted", lambda v: v + ["r9"]), ("swap_out", lambda v: v + 1),
+                                         ("swap_in", lambda v: v + 2), ("copy", lambda v: v + 1),
+                                         ("used_gpu_blocks", lambda v: v - 1)],
+                         ids=["preempted", "swap_out", "swap_in", "copy", "used_gpu_blocks"])
+def test_replay_compares_every_part_of_a_decision_not_just_the_batch(smollm_log, tmp_path, key, change):
+    """The same batch with another preemption, block move count or pool use is a different
+    decision: replay must stop being equal at that step and name what differs."""
+    from core.step_log import read_log
+    from sim.replay import format_report, replay
+
+    records = list(read_log(str(smollm_log)))
+    steps = [r for r in records if r["kind"] == "step"]
+    k = len(steps) - 2
+    steps[k]["decision"][key] = change(steps[k]["decision"][key])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = replay(str(bad))
+    assert not report.equal and report.first_divergence["step"] == k
+    assert report.num_equal_steps == len(steps) - 1
+    text = format_report(report)
+    assert f"DIVERGE at step {k}" in text and f"  {key}: real" in text and "  batch:" not in text
+
 def test_replay_refuses_logs_it_cannot_reproduce(smollm_log, tmp_path):
     from core.step_log import read_log
 
