@@ -102,7 +102,7 @@ def parse_fleet(text: str) -> list[int]:
     return sizes
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2,000 requests per workload")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model spec (default: %(default)s, as sim run)")
@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleet", default="1,2,4", metavar="N,...",
                    help="fleet rows: each workload N times faster on N replicas (sim.fleet, least-requests, "
                         "event skipping), its wall against one replica's; '' for none (default 1,2,4)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("skip", "step") for m in modes):
         print("error: --modes takes skip and/or step", file=sys.stderr)
