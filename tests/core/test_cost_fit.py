@@ -8,14 +8,13 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
+from scipy.optimize import nnls       # the dev extra's reference NNLS
 
 from core.cost_fit import (MIN_BUCKET_STEPS, SIMPLER_TOLERANCE, TABLE_FAMILY, ServedStep, choose_family,
                            families, feature_values, fit_nonneg, served_factor, served_factors, shape_of,
                            table_knots)
-
-np = pytest.importorskip("numpy")
-nnls = pytest.importorskip("scipy.optimize").nnls
 
 
 # ----------------------------------------------------------------------------- problems
