@@ -6,11 +6,13 @@ fails or runs out of time is reported and the next one still runs):
 
   1. kernels   the Triton kernel tests compiled on CUDA (bf16 included):
                TWINSERVE_TRITON_GPU_TESTS=1 pytest tests/realexec/test_kernels.py
-  2. greedy    the engine end to end on CUDA, greedy, Triton attention + CUDA-graph decode vs
-               the torch backend run eagerly, and vs HF transformers' generate (fp32)
+  2. greedy    the engine end to end on CUDA, greedy, Triton attention + CUDA-graph decode
+               (uncompiled and torch.compile'd) vs the torch backend run eagerly, and vs HF
+               transformers' generate (fp32)
   3. attention `bench kernels`: decode-attention bandwidth table, decode step graph vs eager
-  4. throughput `bench throughput`: ours vs HF generate on ShareGPT, then our engine eager and
-               with the torch attention backend, for the graph and kernel speed-ups end to end
+  4. throughput `bench throughput`: ours vs HF generate on ShareGPT, then our engine with
+               uncompiled decode graphs, eager, and with the torch attention backend, for the
+               compile, graph and kernel speed-ups end to end
   5. serve     `realexec serve` and `bench serve` against it (ShareGPT, 400 requests at 16
                req/s and all at once, streamed over HTTP)
 
@@ -308,9 +310,10 @@ def main(argv=None) -> int:
         "throughput": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests", "256",
                         "--max-tokens-cap", "128", "--hf-batch-size", "64", "--output-json", str(out / "throughput.json")], 150, None),
         "serve": ([py, "-m", "realexec.bench_gpu", "serve", model, "--out", str(out)], 150, None),
-        "throughput-compiled": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests",
-                                 "256", "--max-tokens-cap", "128", "--skip-hf", "--compile-decode",
-                                 "--output-json", str(out / "throughput_compiled.json")], 150, None),
+        "throughput-uncompiled": ([py, "-m", "realexec", "bench", "throughput", "--model", model,
+                                   "--num-requests", "256", "--max-tokens-cap", "128", "--skip-hf",
+                                   "--no-compile-decode", "--output-json", str(out / "throughput_uncompiled.json")],
+                                  60, None),
         "throughput-eager": ([py, "-m", "realexec", "bench", "throughput", "--model", model, "--num-requests",
                               "256", "--max-tokens-cap", "128", "--skip-hf", "--enforce-eager",
                               "--output-json", str(out / "throughput_eager.json")], 60, None),
@@ -321,7 +324,7 @@ def main(argv=None) -> int:
     }
     wanted = args.steps.split(",")
     if "throughput" in wanted:
-        wanted += ["throughput-compiled", "throughput-eager", "throughput-torch"]
+        wanted += ["throughput-uncompiled", "throughput-eager", "throughput-torch"]
     unknown = [s for s in wanted if s not in steps]
     if unknown:
         print(f"error: unknown step(s) {unknown}; choose from {sorted(steps)}", file=sys.stderr)

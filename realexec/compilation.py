@@ -66,3 +66,19 @@ def compile_decode_forward(model: torch.nn.Module, backend: str = "inductor", mo
     import torch._dynamo.config as dynamo_config
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, MAX_COMPILED_BUCKETS)
     return torch.compile(model, backend=backend, mode=mode, dynamic=False, fullgraph=False)
+
+
+def capture_with_fallback(capture, model: torch.nn.Module, compile_decode: bool, where: str = "worker"):
+    """`capture(forward)` builds and captures the decode graphs of `forward`. With
+    compile_decode, the compiled forward first; if compiling or capturing it fails (a
+    torch/Triton build inductor cannot handle), a warning says why and the uncompiled model
+    is captured instead: a server still starts, as fast as it was before compiling existed."""
+    if compile_decode:
+        try:
+            return capture(compile_decode_forward(model))
+        except Exception as e:
+            import warnings
+            warnings.warn(f"{where}: compiling the decode forward failed ({type(e).__name__}: {e}); capturing "
+                          "uncompiled decode graphs instead (--no-compile-decode skips the attempt)",
+                          RuntimeWarning, stacklevel=2)
+    return capture(model)

@@ -243,17 +243,9 @@ class Worker:
             runner.capture()
             return runner
 
-        runner = None
-        if args.compile_decode:
-            from realexec.compilation import compile_decode_forward
-            try:
-                runner = captured(compile_decode_forward(self.model))
-            except Exception as e:       # a torch/Triton build inductor cannot handle: serve uncompiled
-                import warnings
-                warnings.warn(f"rank {self.rank}: compiling the decode forward failed ({type(e).__name__}: {e}); "
-                              "capturing uncompiled decode graphs instead (--no-compile-decode skips the attempt)",
-                              RuntimeWarning, stacklevel=2)
-        self.runner.graph_runner = runner or captured(self.model)
+        from realexec.compilation import capture_with_fallback
+        self.runner.graph_runner = capture_with_fallback(captured, self.model, args.compile_decode,
+                                                         where=f"rank {self.rank}")
 
     # -- per step ---------------------------------------------------------------------------
     def execute_model(self, msg: StepMessage) -> ModelRunnerOutput | None:

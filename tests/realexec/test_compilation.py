@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from realexec.compilation import compile_decode_forward, leave_attention_eager  # noqa: E402
+from realexec.compilation import capture_with_fallback, compile_decode_forward, leave_attention_eager  # noqa: E402
 from realexec.cuda_graph import DecodeGraphRunner, decode_buckets  # noqa: E402
 from realexec.loader import load_model  # noqa: E402
 from tests.tiny_models import save_tiny_llama  # noqa: E402
@@ -45,7 +45,7 @@ def _batch(n: int, vocab: int, seed: int):
     return ids, pos, slots, lens, tables, lens.tolist()
 
 
-def test_compiled_decode_equals_eager_at_every_bucket(tiny, monkeypatch):
+def test_compiled_decode_equals_eager_at_every_bucket(tiny):
     import torch._dynamo.config as dynamo_config
     import torch._dynamo.utils as dynamo_utils
 
@@ -53,21 +53,21 @@ def test_compiled_decode_equals_eager_at_every_bucket(tiny, monkeypatch):
     torch._dynamo.reset()
     # A real server has up to 23 buckets against dynamo's default limit of 8 recompiles per
     # code object; here 4 buckets against a limit of 2 (cheaper to trace, the same failure).
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 2)
-    buckets = decode_buckets(MAX_BATCH)
-    assert len(buckets) > dynamo_config.recompile_limit
-    eager = _runner(model, caches)
-    compiled = _runner(compile_decode_forward(model, backend="aot_eager"), caches)
-    graphs = []
-    with torch.inference_mode():
-        for i, b in enumerate(buckets):
-            # a padded batch where the bucket allows one: n rows in bucket b
-            n = b - 1 if i > 0 and b - 1 > buckets[i - 1] else b
-            batch = _batch(n, cfg.vocab_size, seed=i)
-            want = eager.run(*batch)
-            got = compiled.run(*batch)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    with dynamo_config.patch(recompile_limit=2):
+        buckets = decode_buckets(MAX_BATCH)
+        assert len(buckets) > dynamo_config.recompile_limit
+        eager = _runner(model, caches)
+        compiled = _runner(compile_decode_forward(model, backend="aot_eager"), caches)
+        graphs = []
+        with torch.inference_mode():
+            for i, b in enumerate(buckets):
+                # a padded batch where the bucket allows one: n rows in bucket b
+                n = b - 1 if i > 0 and b - 1 > buckets[i - 1] else b
+                batch = _batch(n, cfg.vocab_size, seed=i)
+                want = eager.run(*batch)
+                got = compiled.run(*batch)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
     # Every bucket compiled its own graphs: none fell back to eager after the limit.
     assert all(later > earlier for earlier, later in zip(graphs, graphs[1:])), graphs
 
@@ -80,3 +80,25 @@ def test_attention_is_a_graph_break_marked_once(tiny):
     assert getattr(first, "_twinserve_eager", False)
     assert leave_attention_eager(model) == 0           # idempotent: never wrapped twice
     assert backend.forward is first
+
+
+def test_a_failed_compile_falls_back_to_uncompiled_graphs(tiny):
+    model, _, _ = tiny
+    captured = []
+
+    def capture(forward):
+        if forward is not model:            # the compiled forward: its capture fails
+            raise RuntimeError("inductor cannot build this")
+        captured.append(forward)
+        return "uncompiled runner"
+
+    with pytest.warns(RuntimeWarning, match="inductor cannot build this.*uncompiled decode graphs"):
+        assert capture_with_fallback(capture, model, compile_decode=True, where="rank 0") == "uncompiled runner"
+    assert captured == [model]
+
+
+def test_compile_decode_off_captures_the_model_itself(tiny):
+    model, _, _ = tiny
+    assert capture_with_fallback(lambda forward: forward, model, compile_decode=False) is model
+    compiled = capture_with_fallback(lambda forward: forward, model, compile_decode=True)
+    assert compiled is not model and callable(compiled)
