@@ -39,8 +39,10 @@ COMMANDS: dict[str, Command | dict] = {
                      "realexec.server.cli:add_serve_arguments", "realexec.server.cli:run_serve"),
     "profile": Command("time real engine steps over a grid and fit the simulator's step-cost model",
                        "realexec.profile:add_arguments", "realexec.profile:run"),
+    "export-hf": Command("write a model (default: the embedded GGUF) as an fp32 Hugging Face directory, e.g. for vLLM",
+                         "realexec.export_hf:add_arguments", "realexec.export_hf:run"),
     "bench": {
-        "throughput": Command("offline throughput on a trace: our engine vs HF transformers generate",
+        "throughput": Command("offline throughput: our engine vs HF generate, vLLM, llama-server (--peer)",
                               "realexec.bench_throughput:add_arguments", "realexec.bench_throughput:run"),
         "serve": Command("serving benchmark: stream a trace's requests at a rate to an OpenAI-compatible server",
                          "realexec.bench_serve:add_arguments", "realexec.bench_serve:run"),
