@@ -114,6 +114,8 @@ def _check_args(args) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
         raise ValueError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
+    if not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
     if args.endpoint not in ("/v1/completions", "/v1/chat/completions"):
         raise ValueError(f"--endpoint must be /v1/completions or /v1/chat/completions, got {args.endpoint}")
 
@@ -221,10 +223,23 @@ async def send_request(client, url: str, payload: dict, chat: bool, prompt_len: 
 # ----------------------------------------------------------------------------- the run
 
 async def resolve_model(client, base_url: str, model: str | None) -> str:
+    """`model`, else the first of the server's /v1/models. Either way the server is asked
+    first, so nothing listening at the URL is one clear error (a ConnectionError), not
+    every request failing."""
+    import httpx
+
+    try:
+        resp = await client.get(base_url + "/v1/models")
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        raise ConnectionError(f"no server at {base_url} ({e}); start one with `python -m realexec serve` "
+                              f"or pass --url") from None
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
+        raise ValueError(f"--url {base_url!r}: {e}") from None
     if model:
         return model
-    resp = await client.get(base_url + "/v1/models")
-    resp.raise_for_status()
+    if resp.status_code != 200:
+        raise ConnectionError(f"{base_url}/v1/models answered HTTP {resp.status_code}: pass --model, or check "
+                              f"--url{' (and the API key)' if resp.status_code in (401, 403) else ''}")
     data = resp.json().get("data") or []
     if not data:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")

@@ -8,14 +8,19 @@ being run, so adding one is a single table entry:
     COMMANDS["bench"]["kernels"] = Command("Triton kernel bandwidth", "realexec.kernels.bench:add_arguments",
                                            "realexec.kernels.bench:run")
 
-A runner takes the parsed namespace and returns an exit code. Bad input (ValueError,
-InvalidRequestError, a missing file, a bad trace) prints `error: ...` and exits 2.
+A runner takes the parsed namespace and returns an exit code. A user's mistake (a bad flag
+or value, InvalidRequestError, a missing file, a bad trace, a server that cannot be
+reached) prints one `error: ...` line and exits 2; anything else is a bug and keeps its
+traceback. Ctrl-C exits 130.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,8 +63,16 @@ COMMANDS: dict[str, Command | dict] = {
 }
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that a usage error is one line (no usage dump): `error: ...`,
+    exit 2. Subcommand parsers are of the same class (add_subparsers' default)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m realexec", description="twinserve real executor")
+    parser = ArgumentParser(prog="python -m realexec", description="twinserve real executor")
     _add_commands(parser, COMMANDS, argv, "command")
     return parser
 
@@ -80,8 +93,15 @@ def _add_commands(parser, table: dict, argv: list[str], dest: str) -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user asked for something that cannot be done (a bad value, a
+    path that is not there or not readable, nothing listening at a URL) rather than a bug."""
     from traces import TraceError
-    return (ValueError, FileNotFoundError, NotADirectoryError, TraceError)
+    errors = [ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+              ConnectionError, TraceError]
+    httpx = sys.modules.get("httpx")     # only a command that talks HTTP has imported it
+    if httpx is not None:
+        errors += [httpx.ConnectError, httpx.ConnectTimeout, httpx.UnsupportedProtocol, httpx.InvalidURL]
+    return tuple(errors)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,11 +109,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return _load(args._run)(args)
-    except _user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    if type(e).__module__.startswith("httpx"):          # "All connection attempts failed": say what
+        text = f"{type(e).__name__}: {text}"
+    return text
 
 
 # ----------------------------------------------------------------------------- generate
@@ -118,9 +147,13 @@ def sampling_params_from_args(args):
                           stop=list(args.stop), ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
-def finish_line(c) -> str:
-    """'[finish_reason: stop, 8 tokens]'; a 'length' finish says the answer was cut off."""
-    cut = " (cut off: raise --max-tokens for more)" if c.finish_reason == "length" else ""
+def finish_line(c, max_model_len: int | None = None) -> str:
+    """'[finish_reason: stop, 8 tokens]'; a 'length' finish says the answer was cut off, and
+    by what: --max-tokens, or (given `max_model_len`, when it was hit) the context."""
+    cut = ""
+    if c.finish_reason == "length":
+        cut = (f" (cut off: the context is full at max_model_len {max_model_len})" if max_model_len
+               else " (cut off: raise --max-tokens for more)")
     return f"[finish_reason: {c.finish_reason}, {len(c.token_ids)} tokens{cut}]"
 
 
@@ -147,24 +180,88 @@ def run_generate(args) -> int:
     with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):   # bars only on a terminal
         llm = LLM(**{k: v for k, v in vars(engine_args).items()})
     try:
-        if args.chat:
-            (out,) = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=None)
-        else:
-            (out,) = llm.generate(args.prompt, params, use_tqdm=None)
+        return _generate(llm, args, params)
     finally:
         llm.shutdown()                # worker processes / Ray actors stop now, not at exit
-    many = len(out.outputs) > 1
-    for c in out.outputs:
+
+
+@contextmanager
+def _first_sigint_stops():
+    """While inside: the first Ctrl-C (SIGINT) only sets the yielded event, so the caller
+    stops between two engine steps with its output intact; a second one raises
+    KeyboardInterrupt at once, as usual."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _generate(llm, args, params) -> int:
+    """Stream one request's text to stdout as the engine produces it (n > 1 and beams: print
+    them at the end, with a token bar on a terminal); Ctrl-C stops it with finish reason
+    'abort' and exit code 130."""
+    engine = llm.engine
+    prompt_ids = (engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
+                  else engine.encode(args.prompt))
+    room = engine.max_model_len - len(prompt_ids)
+    if 0 < room < params.max_tokens:
+        print(f"note: --max-tokens {params.max_tokens} capped at {room}: max_model_len {engine.max_model_len} "
+              f"minus the prompt's {len(prompt_ids)} tokens (--max-model-len sets it)",
+              file=sys.stderr, flush=True)
+    many = params.n > 1 or params.beam_width > 0
+    progress = None
+    if many:
+        from realexec.progress import TokenProgress, bar
+        progress = TokenProgress(bar(min(params.max_tokens, room), "generating", "tok"))   # the longest one
+    rid = engine.add_request(prompt_ids, params)      # an impossible request fails here (InvalidRequestError)
+    last = None
+    try:
+        with _first_sigint_stops() as interrupted:
+            while not interrupted.is_set() and not (last is not None and last.finished):
+                outputs = engine.step()
+                for out in outputs:
+                    if out.request_id != rid:
+                        continue
+                    last = out
+                    if not many and out.outputs[0].text_delta:
+                        print(out.outputs[0].text_delta, end="", flush=True)
+                if progress is not None:
+                    progress.update(outputs)
+    finally:
+        if progress is not None:
+            progress.close()
+    aborted = last is None or not last.finished
+    if aborted:
+        engine.abort_request(rid)
+    completions = last.outputs if last is not None else []
+    if not many:
+        c = completions[0] if completions else None
+        if c is not None and c.finish_reason is None:
+            c.finish_reason = "abort"
+        print()
+        full = engine.max_model_len if c is not None and len(c.token_ids) >= room else None
+        print(finish_line(c, full) if c is not None else "[finish_reason: abort, 0 tokens]", flush=True)
+    elif aborted and params.beam_width:
+        print("[finish_reason: abort; beam search reports its beams only when it ends]", flush=True)
+    for c in completions:
         if many:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
             label = "beam" if params.beam_width else "sample"
             score = f" cumulative_logprob={c.cumulative_logprob:.4f}" if c.cumulative_logprob is not None else ""
             print(f"--- {label} {c.index} (finish: {c.finish_reason}{score}) ---")
-        print(c.text)
-        if not many:
-            print(finish_line(c))
+            print(c.text)
         if c.logprobs is not None and llm.tokenizer is not None:
             tok = llm.tokenizer
             for t, lp in zip(c.token_ids, c.logprobs):
                 alts = ", ".join(f"{tok.decode([a])!r}: {v:.3f}" for a, v in sorted(lp.items(), key=lambda kv: -kv[1]))
                 print(f"  {tok.decode([t])!r}: {lp[t]:.3f}  [{alts}]")
-    return 0
+    return 130 if aborted else 0

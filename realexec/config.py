@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from core import block_hasher, register_block_hasher
@@ -30,10 +31,15 @@ def _arg(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
+# --dtype values (fp32, fp16, half, bf16: aliases); realexec.loader maps them to torch dtypes.
+DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "half", "bf16")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = _arg(None, "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    dtype: str = _arg("auto", "auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, else the checkpoint's half type)")
+    dtype: str = _arg("auto", "auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, else the checkpoint's half type)",
+                      choices=DTYPE_NAMES, metavar="DTYPE")
     device: str = _arg("auto", "auto | cpu | cuda | cuda:N (auto: cuda when available)")
     attention_backend: str | None = _arg(
         None, "cpu | torch | triton (default: triton on CUDA; on CPU the batched C++ kernel (cpu), built on "
@@ -116,6 +122,10 @@ class EngineArgs:
                              "batches are in flight: drop --step-log or use one stage")
         if self.ray_cpus_per_worker is not None and self.ray_cpus_per_worker <= 0:
             raise ValueError(f"ray-cpus-per-worker must be > 0, got {self.ray_cpus_per_worker}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:     # (or a torch.dtype)
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if isinstance(self.device, str) and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.worker_timeout <= 0:
             raise ValueError(f"worker-timeout must be > 0 seconds, got {self.worker_timeout}")
         if self.attention_backend not in (None, "torch", "cpu", "triton"):
@@ -151,6 +161,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = _FIELD_TYPES.get(f.name, str)
+        kwargs.update((k, v) for k, v in f.metadata.items() if k != "help")    # choices, metavar
         group.add_argument(flag, dest=f.name, **kwargs)
     return parser
 

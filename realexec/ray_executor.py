@@ -31,6 +31,7 @@ or a multi-node cluster.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -103,11 +104,23 @@ def default_cpus_per_worker(cluster_cpus: float, world_size: int) -> float:
     return max(0.01, int(min(1.0, cluster_cpus / world_size) * 100) / 100)
 
 
+def quiet_local_ray_auth() -> None:
+    """Ray 2.60 turns token authentication on for every new local cluster and logs a
+    warning that it did, unless RAY_AUTH_MODE is set: choose the same mode (token) explicitly.
+    Ray reads the variable into its config when it is imported, so this only acts before
+    that (set later, the driver would connect without its token); a user's own
+    RAY_AUTH_MODE wins. Ray versions without token authentication ignore it."""
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 class RayExecutor(ExecutorBase):
     backend = "ray"
 
     def _init_workers(self) -> None:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # before ray is imported
+        if not self.args.ray_address:
+            quiet_local_ray_auth()
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

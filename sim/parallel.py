@@ -36,6 +36,10 @@ def run_points(fn: Callable[..., Any], points: Sequence[tuple], *, use_ray: bool
         return out
     # Ray refuses to start a local cluster on macOS/Windows without this; harmless elsewhere.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if not ray_address and "ray" not in sys.modules:
+        # Ray 2.60 turns token auth on for a new local cluster and warns that it did unless
+        # RAY_AUTH_MODE is set: the same mode, chosen explicitly. Read at `import ray`.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     started = not ray.is_initialized()

@@ -185,10 +185,10 @@ def run(device: torch.device, dtype: torch.dtype, batch_sizes, seq_lens, timer, 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m realexec.kernels.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    p.add_argument("--batch-sizes", default="1,8,64")
-    p.add_argument("--seq-lens", default="512,2048,8192")
-    p.add_argument("--reps", type=int, default=50, help="timed samples per measurement")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="dtype of the KV cache and queries [fp16]")
+    p.add_argument("--batch-sizes", default="1,8,64", help="comma-separated decode batch sizes [1,8,64]")
+    p.add_argument("--seq-lens", default="512,2048,8192", help="comma-separated context lengths [512,2048,8192]")
+    p.add_argument("--reps", type=int, default=50, help="timed samples per measurement [50]")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny CPU run under the Triton interpreter, to check the script itself")
     args = p.parse_args(argv)
