@@ -155,6 +155,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from sim.fitted_cost import load_cost_model_file
     from sim.validate import run_real
 
+    if not Path(args.cost_model).exists():
+        raise ValueError(f"--cost-model {args.cost_model}: no such file; write it with `python -m realexec profile "
+                         f"--out {args.cost_model}`")
     model = load_cost_model_file(args.cost_model)
     check_model(model, args.cost_model)
     if args.skip < 0:

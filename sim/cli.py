@@ -20,7 +20,7 @@ from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_flo
                         positive_int, with_measured_engine)
 from sim.engine import ResolvedConfig, resolve
 from sim.run import simulate
-from sim.results import build_summary, format_summary, write_results
+from sim.results import build_summary, format_summary, reject_lines, write_results
 from sim.workloads import apply_workload
 from traces import LOADERS, Trace, TraceError, load_trace
 
@@ -226,11 +226,11 @@ def run_dir(out: str | None, overwrite: bool) -> Path:
         return path.exists() and (not path.is_dir() or any(path.iterdir()))
     if out is not None:
         path = Path(out)
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--out {out}: is a file, not a directory")
         if used(path) and not overwrite:
             raise UsageError(f"--out {out}: already holds results; add --overwrite to replace them, or name "
                              f"another directory")
-        if path.exists() and not path.is_dir():
-            raise UsageError(f"--out {out}: is a file, not a directory")
         return path
     path, n = Path(DEFAULT_RUN_DIR), 1
     while used(path) and not overwrite:
@@ -243,6 +243,8 @@ def run_dir(out: str | None, overwrite: bool) -> Path:
 
 def _finish_run(args: argparse.Namespace, out: Path, summary: dict, text: str, wall: float) -> int:
     print(text)
+    for line in reject_lines(summary):       # why requests were rejected, and what to change
+        print(line)
     if args.plot:
         from plots import figures          # matplotlib only when asked (never from the engine)
         title = f"{Path(args.trace).name}: {text.splitlines()[0].split(':')[0]}"

@@ -224,7 +224,6 @@ def format_summary(summary: dict) -> str:
         f"{'/prefix-cache ' + c['eviction'] if c['enable_prefix_caching'] else ''}",
         f"requests     {summary['completed']:,} completed, {summary['rejected']:,} rejected "
         f"of {summary['num_requests']:,}; simulated {summary['sim_time']:,.1f} s in {summary['num_steps']:,} steps",
-        *reject_lines(summary),
         f"throughput   {summary['request_throughput']:,.2f} req/s, {summary['output_throughput']:,.0f} output tok/s, "
         f"{summary['total_token_throughput']:,.0f} total tok/s",
         f"{'':12} {'mean':>10} {'p50':>10} {'p90':>10} {'p99':>10}",

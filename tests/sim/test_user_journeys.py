@@ -15,7 +15,7 @@ import pytest
 from sim import SimConfig, build_summary, simulate
 from sim.cli import main as cli_main
 from sim.config import DEFAULT_HARDWARE, DEFAULT_MODEL
-from sim.results import format_summary, reject_kind, sharing_text
+from sim.results import reject_kind, reject_lines, sharing_text
 from traces import Trace, TraceRequest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_every_kind_of_rejection_is_counted_and_gets_its_advice(config, prompt, 
     summary = build_summary(result)
     assert summary["reject_reasons"] == {kind: {"count": 1, "example": rec.reject_reason,
                                                 "max_prompt_tokens": prompt}}
-    text = format_summary(summary)
+    text = "\n".join(reject_lines(summary))
     assert f"rejected     1 {kind}" in text and advice in text
 
 
