@@ -212,7 +212,7 @@ def run_linear(args) -> None:
                 else:
                     raise ValueError(f"unknown linear variant {variant!r}")
             ref = F.linear(x, w)
-            for variant, fn in fns.items():
+            for fn in fns.values():
                 torch.testing.assert_close(fn(), ref, atol=1e-3, rtol=1e-4)
             reps = max(1, int(2e8 / (2 * tokens * out_f * in_f)))
             times = alternate(fns, args.rounds, reps)
