@@ -337,8 +337,10 @@ class OpenAIServer:
 
     # -- shutdown -------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
-        """Refuse new requests (503), wait up to `timeout` s for the running ones, then abort
-        the rest: each gets a final error (an SSE error event when streaming)."""
+        """Refuse new requests (503) and those whose body is still arriving, wait up to
+        `timeout` s for the ones in the engine (not for any still being read or parsed:
+        those meet the 503 in start_stream), then abort the rest: each gets a final error
+        (an SSE error event when streaming)."""
         self.draining = True
         for drain_started in list(self._body_reads):    # bodies still arriving: answered 503 now
             if not drain_started.done():

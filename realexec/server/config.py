@@ -27,7 +27,7 @@ class ServerConfig:
     protect_metrics: bool = _arg(False, "also require the API key on /metrics (/health always stays open)")
     max_waiting_requests: int | None = _arg(
         None, "answer 503 (with Retry-After) when this many requests already wait for admission "
-              "(default: no limit)", int)
+              "(default: no limit); a request with more prompts than this can never be queued: 400", int)
     max_request_body_bytes: int = _arg(4 * MiB, "larger request bodies get 413, refused before parsing", int)
     max_n: int = _arg(16, "largest `n` (parallel samples) one request may ask for", int)
     # 256 = the default --max-num-seqs: one request cannot ask for more sequences than one
@@ -38,7 +38,7 @@ class ServerConfig:
     max_logprobs: int = _arg(20, "largest `logprobs` / `top_logprobs` one request may ask for", int)
     body_read_timeout: float = _arg(
         30.0, "answer 408 (and close the connection) when a request body has not fully arrived "
-              "this many seconds after its headers (a stalled or trickling upload)", float)
+              "this many seconds after its headers (a stalled or trickling upload; inf: no limit)", float)
     request_timeout: float | None = _arg(
         None, "abort a request after this many seconds (408, or a final SSE error event once "
               "streaming); default: no timeout", float)
@@ -54,8 +54,9 @@ class ServerConfig:
         for name in ("max_request_body_bytes", "max_n", "max_choices_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"--max-waiting-requests must be >= 1 (0 would refuse every request), "
+                             f"got {self.max_waiting_requests}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"--max-logprobs must be in [0, 20], got {self.max_logprobs}")
         if self.request_timeout is not None and not self.request_timeout > 0:

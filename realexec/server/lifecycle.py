@@ -4,7 +4,8 @@
     server.run()          # returns after a drain (exit code 0); a second signal exits at once (1)
 
 Drain (OpenAIServer.drain): new /v1 requests get 503 and /health turns 503 (so a load
-balancer stops sending), running requests may finish for up to shutdown_timeout
+balancer stops sending), so do requests whose body is still arriving (a stalled upload
+holds nothing up), running requests may finish for up to shutdown_timeout
 seconds, the rest are aborted (streams end with an SSE error event), then uvicorn's
 usual exit closes the connections and the app's lifespan stops the engine thread.
 uvicorn itself would stop listening at once and re-raise the signal after exiting (a

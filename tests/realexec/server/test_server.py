@@ -632,7 +632,10 @@ def test_serve_parser():
     from realexec.server.cli import run_serve
     for bad, message in ((["--queue-policy", "nope"], "unknown queue policy 'nope'"),
                          (["--victim-policy", "oldest"], "unknown victim policy"),
-                         (["--max-n", "0"], "--max-n must be >= 1")):
+                         (["--max-n", "0"], "--max-n must be >= 1"),
+                         (["--max-choices-per-request", "0"], "--max-choices-per-request must be >= 1"),
+                         (["--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1"),
+                         (["--body-read-timeout", "nan"], "--body-read-timeout must be > 0 seconds")):
         argv = ["serve", *bad]
         t0 = time.monotonic()
         with pytest.raises(ValueError, match=message):
