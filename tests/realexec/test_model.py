@@ -194,21 +194,26 @@ def tiny_hf_config(kind: str):
     raise ValueError(kind)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=[(kind, backend) for backend in ("torch", "cpu")
+                                        for kind in ("llama", "qwen2", "mistral")],
+                ids=lambda p: "-".join(p))
 def tiny(request, tmp_path_factory):
-    """(our model, HF model) from the same random checkpoint saved as safetensors."""
+    """(our model, HF model) from the same random checkpoint saved as safetensors; ours
+    runs attention with the torch reference or the batched CPU kernel."""
     from transformers import AutoModelForCausalLM
 
+    kind, backend = request.param
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(tiny_hf_config(request.param), dtype=torch.float32).eval()
-    if request.param == "qwen2":   # HF initializes biases to zero; make them matter
+    hf = AutoModelForCausalLM.from_config(tiny_hf_config(kind), dtype=torch.float32).eval()
+    if kind == "qwen2":   # HF initializes biases to zero; make them matter
         with torch.no_grad():
             for layer in hf.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    path = tmp_path_factory.mktemp(f"tiny-{kind}")
     hf.save_pretrained(path, safe_serialization=True)
-    ours, cfg, tok = load_model(path, dtype=torch.float32)
+    ours, cfg, tok = load_model(path, dtype=torch.float32, attn_backend=backend)
+    assert ours.layers[0].self_attn.backend.name == backend
     assert tok is None and cfg.architecture == type(hf).__name__
     return ours, hf
 
@@ -390,7 +395,20 @@ def test_smollm2_config_and_tokenizer(smollm2):
     assert tok.convert_ids_to_tokens(cfg.eos_token_id) == "<|im_end|>"
 
 
-def test_smollm2_logits_match_hf(smollm2):
+@pytest.fixture(params=["torch", "cpu"])
+def attention(request, smollm2):
+    """Run the SmolLM2 model's attention with the torch reference or the CPU kernel."""
+    ours = smollm2[0]
+    saved = ours.layers[0].self_attn.backend
+    backend = get_attention_backend(request.param)
+    for layer in ours.layers:
+        layer.self_attn.backend = backend
+    yield request.param
+    for layer in ours.layers:
+        layer.self_attn.backend = saved
+
+
+def test_smollm2_logits_match_hf(smollm2, attention):
     ours, _, tok, hf = smollm2
     ids = chat_ids(tok, "What is the capital of France?")
     kv = PagedKV(ours.config, num_blocks=16, block_size=16)
@@ -399,7 +417,7 @@ def test_smollm2_logits_match_hf(smollm2):
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=1e-5)
 
 
-def test_smollm2_greedy_matches_hf_generate(smollm2):
+def test_smollm2_greedy_matches_hf_generate(smollm2, attention):
     ours, cfg, tok, hf = smollm2
     prompts = [chat_ids(tok, q) for q in ("Write a short poem about the sea.",
                                           "Explain what a hash table is.")]
