@@ -247,7 +247,7 @@ def _finish_run(args: argparse.Namespace, out: Path, summary: dict, text: str, w
         print(line)
     if args.plot:
         from plots import figures          # matplotlib only when asked (never from the engine)
-        title = f"{Path(args.trace).name}: {text.splitlines()[0].split(':')[0]}"
+        title = f"{Path(args.trace).name}: {text.splitlines()[0].split(':')[0].removesuffix(', each')}"
         for path in figures.run_figures(out, title=title):
             print(f"wrote {path}")
     print(f"results in {out}/ (simulated in {wall:.2f} s wall)")
