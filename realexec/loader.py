@@ -200,13 +200,16 @@ def convert_gguf(gguf_path: Path, root: Path) -> Path:
     out = gguf_cache_dir(gguf_path, root)
     if (out / "config.json").exists():
         return out
-    print(f"twinserve: converting {gguf_path.name} once to fp32 weights in {out} "
-          f"(set TWINSERVE_CACHE_DIR to put them elsewhere)", file=sys.stderr, flush=True)
+
+    def announce() -> None:         # once the file is known to be a GGUF we can convert
+        print(f"twinserve: converting {gguf_path.name} once to fp32 weights in {out} "
+              f"(set TWINSERVE_CACHE_DIR to put them elsewhere)", file=sys.stderr, flush=True)
+
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=root))
     tmp.chmod(0o755)
     try:
-        _write_hf_dir_from_gguf(gguf_path, tmp)
+        _write_hf_dir_from_gguf(gguf_path, tmp, announce)
         try:
             os.rename(tmp, out)    # atomic; a concurrent converter may have won the race
         except OSError:
@@ -224,12 +227,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_hf_dir_from_gguf(gguf_path: Path, out: Path) -> None:
+def _write_hf_dir_from_gguf(gguf_path: Path, out: Path, announce=None) -> None:
+    """`announce()` is called once the header has been read and is supported."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from safetensors.torch import save_file
 
-    reader = GGUFReader(gguf_path)
+    try:
+        reader = GGUFReader(gguf_path)
+    except ValueError as e:            # bad magic, truncated, unknown version
+        raise ValueError(f"{gguf_path}: not a GGUF file we can read ({e})") from None
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -237,12 +244,14 @@ def _write_hf_dir_from_gguf(gguf_path: Path, out: Path) -> None:
 
     arch = field("general.architecture")
     if arch not in _GGUF_ARCHS:
-        raise NotImplementedError(f"{gguf_path.name}: GGUF architecture {arch!r} not supported "
-                                  f"(supported: {sorted(_GGUF_ARCHS)})")
+        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} not supported "
+                         f"(supported: {sorted(_GGUF_ARCHS)})")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise NotImplementedError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; "
-                                  "load the Hugging Face directory instead")
+        raise ValueError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; "
+                         "load the Hugging Face directory instead")
+    if announce is not None:
+        announce()
 
     heads = field(f"{arch}.attention.head_count")
     kv_heads = field(f"{arch}.attention.head_count_kv", heads)

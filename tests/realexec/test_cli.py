@@ -63,6 +63,8 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path):
     """Each is a mistake a user makes; each used to end in a traceback (or, for argparse, a
     usage dump): now one `error: ...` line on stderr and exit code 2."""
     port = free_port()                                      # nothing listens there
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "garbage.gguf").write_bytes(b"not a gguf" * 100)
     cases = [
         (["bench", "serve", "--url", f"http://127.0.0.1:{port}"], f"no server at http://127.0.0.1:{port}"),
         (["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--model", "m"], "no server at"),
@@ -72,6 +74,8 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path):
         (["generate"], "the following arguments are required: --prompt"),
         (["generate", "--prompt", "hi", "--model", str(tmp_path)], "no config.json and not exactly one *.gguf"),
         (["bench", "serve", "--trace", str(tmp_path / "missing.json")], "missing.json"),
+        (["generate", "--prompt", "hi", "--model", str(tmp_path / "bad" / "garbage.gguf")],
+         "garbage.gguf: not a GGUF file we can read"),
     ]
     procs = [(args, want, subprocess.Popen(cli(*args), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True)) for args, want in cases]
@@ -286,14 +290,14 @@ def test_bench_kernels_and_bench_gpu_help():
 
 # ----------------------------------------------------------------------------- GGUF conversion cache
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> None:
+def write_tiny_gguf(path: Path, seed: int = 0, arch: str = "llama") -> None:
     """A 1-layer Llama GGUF with random fp32 weights (no tokenizer)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     hidden, ffn, heads, kv_heads, vocab = 16, 32, 2, 1, 40
     head_dim = hidden // heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     for add, value in [(w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, hidden),
                        (w.add_feed_forward_length, ffn), (w.add_head_count, heads),
                        (w.add_head_count_kv, kv_heads), (w.add_layer_norm_rms_eps, 1e-5),
@@ -347,3 +351,14 @@ def test_gguf_copies_share_one_cache_entry_and_first_use_says_where(tmp_path, mo
     monkeypatch.setenv("TWINSERVE_CACHE_DIR", str(cache))
     assert loader.resolve_model_dir(c) != first
     assert len(list(cache.iterdir())) == 2
+
+
+def test_unsupported_gguf_is_a_value_error_and_leaves_nothing_in_the_cache(tmp_path, capsys):
+    from realexec import loader
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, arch="gpt2")
+    with pytest.raises(ValueError, match="m.gguf: GGUF architecture 'gpt2' not supported"):
+        loader.resolve_model_dir(path, cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []           # the temporary directory is gone
+    assert "converting" not in capsys.readouterr().err          # nothing announced for it
