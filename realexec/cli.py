@@ -217,11 +217,11 @@ def _generate(llm, args, params) -> int:
               f"minus the prompt's {len(prompt_ids)} tokens (--max-model-len sets it)",
               file=sys.stderr, flush=True)
     many = params.n > 1 or params.beam_width > 0
+    rid = engine.add_request(prompt_ids, params)      # an impossible request fails here (InvalidRequestError)
     progress = None
     if many:
         from realexec.progress import TokenProgress, bar
         progress = TokenProgress(bar(min(params.max_tokens, room), "generating", "tok"))   # the longest one
-    rid = engine.add_request(prompt_ids, params)      # an impossible request fails here (InvalidRequestError)
     last = None
     try:
         with _first_sigint_stops() as interrupted:
