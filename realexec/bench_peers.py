@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -28,6 +29,7 @@ VLLM_RUNNER = Path(__file__).with_name("peers") / "vllm_runner.py"
 PEERS = ("vllm", "vllm-eager", "llama-server", "hf")
 DEFAULT_SAMPLE_N = 64
 DEFAULT_SAMPLE_CAP = 256
+_EXCEPTION = re.compile(r"\b[A-Z]\w*(Error|Exception): ")
 _SAMPLE_VERSION = 1          # bump when the sampling changes, so stale caches are not reused
 
 
@@ -109,7 +111,7 @@ def check_python(python: str | None) -> str:
     return python
 
 
-def vllm_env(threads_bind: str | None, kv_space_gib: float | None, base: dict | None = None) -> dict:
+def vllm_env(threads_bind: str | None, kv_space_gib: int | None, base: dict | None = None) -> dict:
     """The runner's environment. threads_bind: "all" = every core of this machine
     (VLLM_CPU_OMP_THREADS_BIND=0-(N-1)), "auto" = vLLM's default (it keeps a core for its
     front end), else passed through (e.g. "0-1")."""
@@ -120,17 +122,17 @@ def vllm_env(threads_bind: str | None, kv_space_gib: float | None, base: dict | 
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
     elif threads_bind not in (None, "auto"):
         env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
-    if kv_space_gib is not None:
-        if kv_space_gib <= 0:
-            raise ValueError(f"--vllm-kv-space must be > 0 GiB, got {kv_space_gib}")
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_space_gib:g}"
+    if kv_space_gib is not None:       # vLLM reads it with int(): whole GiB only
+        if isinstance(kv_space_gib, bool) or not isinstance(kv_space_gib, int) or kv_space_gib <= 0:
+            raise ValueError(f"--vllm-kv-space must be a whole number of GiB > 0, got {kv_space_gib}")
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
     env.setdefault("HF_HUB_OFFLINE", "1")          # local directory only, never the hub
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     return env
 
 
 def run_vllm(python: str, model_dir: str | Path, requests: list[tuple[list[int], int]], *,
-             enforce_eager: bool = False, threads_bind: str | None = "all", kv_space_gib: float | None = None,
+             enforce_eager: bool = False, threads_bind: str | None = "all", kv_space_gib: int | None = 2,
              max_model_len: int | None = None, timeout: float = 3600.0, log: str | Path | None = None) -> dict:
     """Run the vLLM runner in `python` on `requests`; its result dict (see vllm_runner.py).
     Its output goes to `log` (default: a temporary file, kept only on failure)."""
@@ -153,12 +155,15 @@ def run_vllm(python: str, model_dir: str | Path, requests: list[tuple[list[int],
             except subprocess.TimeoutExpired:
                 raise PeerError(f"vllm peer: no result after {timeout:g} s (log: {log_path})") from None
         if rc != 0 or not out_file.is_file():
-            tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-12:]
-            first = next((line for line in reversed(tail) if line.startswith("error: ")), None)
-            if first is not None:            # the runner's own one-line error
-                raise PeerError(f"vllm peer: {first.removeprefix('error: ')}")
-            raise PeerError(f"vllm peer exited with status {rc} (log: {log_path}); its last lines:\n  "
-                            + "\n  ".join(tail))
+            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+            own = next((line for line in reversed(lines[-5:]) if line.startswith("error: ")), None)
+            if own is not None:              # the runner's own one-line error
+                raise PeerError(f"vllm peer: {own.removeprefix('error: ')}")
+            # vLLM's engine process logs the root cause first; the last lines are the front end's traceback
+            cause = next((line for line in lines if _EXCEPTION.search(line)), None)
+            raise PeerError(f"vllm peer exited with status {rc} (log: {log_path})"
+                            + (f"; first error: {cause.strip()[:600]}" if cause else "")
+                            + "; its last lines:\n  " + "\n  ".join(lines[-8:]))
         result = json.loads(out_file.read_text())
     if log is None:
         log_path.unlink(missing_ok=True)

@@ -62,8 +62,9 @@ def add_arguments(parser) -> None:
     peers.add_argument("--vllm-threads-bind", default="all",
                        help="vllm: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core (0-N-1), 'auto' = vLLM's "
                             "default (keeps one core for its front end), or a list such as 0-1 [all]")
-    peers.add_argument("--vllm-kv-space", type=float, default=None, metavar="GiB",
-                       help="vllm: VLLM_CPU_KVCACHE_SPACE in GiB [vLLM's default]")
+    peers.add_argument("--vllm-kv-space", type=int, default=2, metavar="GiB",
+                       help="vllm: KV cache GiB (VLLM_CPU_KVCACHE_SPACE; 0 = vLLM's default, which reserves "
+                            "92%% of the machine's memory and fails when other processes use it) [2]")
     peers.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds a peer run may take [3600]")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for HF generate [16]")
     parser.add_argument("--skip-hf", action="store_true", help="run only our engine")
@@ -198,8 +199,8 @@ def peer_plan(args) -> list[str]:
             raise ValueError(f"--peer-concurrency must be >= 1, got {args.peer_concurrency}")
     if args.peer_timeout <= 0:
         raise ValueError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
-    if args.vllm_kv_space is not None and args.vllm_kv_space <= 0:
-        raise ValueError(f"--vllm-kv-space must be > 0 GiB, got {args.vllm_kv_space}")
+    if args.vllm_kv_space < 0:
+        raise ValueError(f"--vllm-kv-space must be >= 0 GiB, got {args.vllm_kv_space}")
     return peers
 
 
@@ -264,7 +265,7 @@ def _run_peers(args, engine_args, ctx, peers, trace) -> int:
             elif peer.startswith("vllm"):
                 r = run_vllm(args.peer_python, model_dir(engine_args.model), requests,
                              enforce_eager=peer == "vllm-eager", threads_bind=args.vllm_threads_bind,
-                             kv_space_gib=args.vllm_kv_space, max_model_len=ctx["max_model_len"],
+                             kv_space_gib=args.vllm_kv_space or None, max_model_len=ctx["max_model_len"],
                              timeout=args.peer_timeout)
                 name = f"vLLM {r.get('vllm_version', '')} {'eager' if r['enforce_eager'] else 'compiled'}"
             else:

@@ -106,6 +106,8 @@ class SamplingParams:
 
 class LLM:
     def __init__(self, model, **kwargs):
+        if os.environ.get("FAKE_VLLM_FAIL"):
+            raise ValueError("Available memory on node 0 is less than desired")
         self.calls = 0
         _log({"init": dict(kwargs, model=model),
               "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}})
@@ -162,8 +164,9 @@ def test_vllm_env_binding_defaults():
     env = vllm_env("all", None, base={"VLLM_CPU_KVCACHE_SPACE": "40", "PATH": "/bin"})
     assert env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-") and "VLLM_CPU_KVCACHE_SPACE" not in env
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env("auto", None, base={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    with pytest.raises(ValueError, match="--vllm-kv-space"):
-        vllm_env("all", 0, base={})
+    for bad in (0, 1.5):                                          # vLLM parses it with int()
+        with pytest.raises(ValueError, match="--vllm-kv-space must be a whole number of GiB > 0"):
+            vllm_env("all", bad, base={})
 
 
 def test_vllm_peer_bad_paths_are_one_line_errors(tmp_path, fake_vllm, monkeypatch):
@@ -176,6 +179,13 @@ def test_vllm_peer_bad_paths_are_one_line_errors(tmp_path, fake_vllm, monkeypatc
         run_vllm(sys.executable, "/nonexistent/model", REQUESTS)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "empty"))            # an interpreter without vllm
     with pytest.raises(PeerError, match=r"^vllm peer: cannot import vllm with .*ModuleNotFoundError"):
+        run_vllm(sys.executable, model, REQUESTS)
+
+
+def test_vllm_peer_crash_names_the_root_cause(fake_vllm, monkeypatch):
+    model, _ = fake_vllm
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    with pytest.raises(PeerError, match=r"exited with status 1 .*first error: ValueError: Available memory on node 0"):
         run_vllm(sys.executable, model, REQUESTS)
 
 
