@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -47,6 +48,15 @@ STALE_HEARTBEAT_S = 15.0
 # native calls that hold the GIL (the heartbeat thread cannot stamp): on a loaded machine
 # that takes longer than a stale heartbeat. `worker_timeout` bounds them instead.
 STARTUP_CALLS = ("init_device", "load_model")
+# Exit code of a worker process that, while spawn re-imported the main module, was asked to
+# start workers itself: the script creates an engine without an `if __name__ == "__main__":`
+# guard. (EX_CONFIG from sysexits.h: a usage error, not a crash.)
+EXIT_MAIN_NOT_GUARDED = 78
+MAIN_GUARD_HINT = ('the script that created the engine has no `if __name__ == "__main__":` guard. The mp executor '
+                   "starts its workers with 'spawn', which imports the main module again in each of them, so each "
+                   "worker ran the script and tried to start workers of its own. Put the code that creates the "
+                   'LLM / engine under `if __name__ == "__main__":` (Python\'s multiprocessing docs, "Safe '
+                   'importing of main module")')
 
 
 def free_port() -> int:
@@ -105,6 +115,12 @@ class MultiprocExecutor(ExecutorBase):
     backend = "mp"
 
     def _init_workers(self) -> None:
+        if getattr(mp.current_process(), "_inheriting", False):
+            # A spawned process still importing the main module (what multiprocessing's own
+            # check looks at): its RuntimeError would reach only this process's stderr, and
+            # the engine would see a bare exit code 1. Exit with a code the engine names.
+            print(f"twinserve: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_MAIN_NOT_GUARDED)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         ctx = mp.get_context("spawn")           # CUDA and torch threads do not survive fork
@@ -192,8 +208,10 @@ class MultiprocExecutor(ExecutorBase):
         for rank, p in enumerate(self.procs):
             if p.sentinel in ready:
                 p.join(timeout=1.0)                 # reap it: its exit code says how it ended
-                raise self._fail(WorkerError(rank, f"process {p.pid} died during {what} "
-                                                   f"({describe_exit(p.exitcode)})"))
+                cause = f"process {p.pid} died during {what} ({describe_exit(p.exitcode)})"
+                if p.exitcode == EXIT_MAIN_NOT_GUARDED:
+                    cause += f": {MAIN_GUARD_HINT}"
+                raise self._fail(WorkerError(rank, cause))
 
     def _send_rpc(self, method, args: tuple, kwargs: dict):
         self._broadcast(RPC + dumps((method, args, kwargs)))
