@@ -2,6 +2,7 @@
 EngineCore batch queue, with the deterministic async toy executor."""
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import pytest
@@ -14,7 +15,7 @@ from core.config import pipeline_stage_layers
 from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from policies import PolicySet
 from tests.core.test_scheduler import EOS, MAX_MODEL_LEN, SETUP, SchedulerMachine
-from tests.core.toy_executor import AsyncToyExecutor, ToyExecutor, reference_outputs
+from tests.core.toy_executor import VOCAB, AsyncToyExecutor, ToyExecutor, reference_outputs
 
 
 def make(pp=2, batches=None, threaded=False, **kw):
@@ -72,6 +73,18 @@ def test_budgets_apply_per_batch():
     for out in ex.steps:
         assert len(out.scheduled) <= 2 and out.num_batched_tokens <= 5
     assert ex.max_in_flight == 2
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_never_more_than_p_batches_in_flight(pp):
+    # Small token budgets, many slots: the scheduler would find work for more batches.
+    engine, sched, ex = make(pp=pp, max_num_seqs=8, max_num_batched_tokens=4)
+    for i in range(8):
+        add(engine, f"r{i}", [i + 1] * 3, max_tokens=4)
+    while engine.has_unfinished_requests() or engine.num_in_flight:
+        engine.step()
+        assert engine.num_in_flight <= pp - 1       # step() lands one of the (at most) P it filled
+    assert ex.max_in_flight == pp
 
 
 def test_aborting_an_in_flight_request_waits_for_its_batch():
@@ -223,23 +236,60 @@ class PipelinedSchedulerMachine(SchedulerMachine):
         SchedulerMachine.setup(self, pp=pp, **kw)
         self.pp = pp
         self.flight: deque = deque()     # (out, {seq_id: block table at submission}), oldest first
+        # Every schedule() call with what _check_step needs: (out, busy before, free blocks after).
+        self.schedules: list = []
+        schedule = self.sched.schedule
 
-    step = None                          # replaced by the two rules below (not an engine step)
+        def logged_schedule(*args, **kwargs):
+            busy = bool(self.sched.running or self.sched.swapped)
+            out = schedule(*args, **kwargs)
+            self.schedules.append((out, busy, self.sched.kv.stats().num_free_gpu_blocks))
+            return out
+
+        self.sched.schedule = logged_schedule
+        # One clock for the engine's calls and the machine's own (timestamps stay ordered).
+        ticks = itertools.count()
+        self.engine.clock = lambda: float(next(ticks))
+
+    step = None                          # replaced by the rules below
+
+    @rule(prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=30), min_size=2, max_size=4),
+          max_tokens=st.integers(1, 6))
+    def add_burst(self, prompts, max_tokens):
+        """Several requests at once: enough separate work for more than P batches (so an
+        engine that overfills its batch queue is caught)."""
+        for prompt in prompts:
+            self.add_request(prompt=prompt, max_tokens=max_tokens, n=1, beam=0, priority=0, ignore_eos=True,
+                             shared=False)
+
+    @rule()
+    def engine_step(self):
+        """EngineCore.step(): fill up to P batches in flight, land the oldest. Batches the
+        machine scheduled itself are older: they land first (FIFO)."""
+        if self.flight:
+            return
+        first = len(self.schedules)
+        self.finished.extend(self.engine.step().finished)
+        for out, busy, free in self.schedules[first:]:
+            if not out.is_empty:
+                self.busy_before_step = busy
+                self.executor.free_during.append(free)
+                self._check_step(out)
 
     # (no preconditions: a rule with nothing to do is a no-op, which keeps every draw valid)
     @rule()
     def schedule_batch(self):
-        if len(self.flight) >= self.pp:
+        if len(self.flight) + self.engine.num_in_flight >= self.pp:
             return
         sched = self.sched
         self.busy_before_step = bool(sched.running or sched.swapped)
         before = sched.num_in_flight
-        out = sched.schedule()
+        out = sched.schedule(self.engine.clock())
         if out.is_empty and self.flight:
             assert sched.num_in_flight == before, "an empty output counted as a batch"
             return
         if out.is_empty:                 # nothing flies: an empty step, as with P = 1
-            self.finished.extend(sched.update(out, ModelRunnerOutput(token_ids={})).finished)
+            self.finished.extend(sched.update(out, ModelRunnerOutput(token_ids={}), self.engine.clock()).finished)
             return
         self.executor.free_during.append(sched.kv.stats().num_free_gpu_blocks)
         self._check_step(out)
@@ -249,7 +299,7 @@ class PipelinedSchedulerMachine(SchedulerMachine):
     @rule()
     def fill_pipeline(self):
         """What EngineCore.step() does first: schedule until P fly or nothing is left."""
-        while len(self.flight) < self.pp:
+        while len(self.flight) + self.engine.num_in_flight < self.pp:
             before = len(self.flight)
             self.schedule_batch()
             if len(self.flight) == before:
@@ -257,11 +307,14 @@ class PipelinedSchedulerMachine(SchedulerMachine):
 
     @rule()
     def update_oldest(self):
+        if self.engine.num_in_flight:    # the engine's batches are the oldest
+            self.finished.extend(self.engine.land_oldest().finished)
+            return
         if not self.flight:
             return
         out, _ = self.flight.popleft()
         result = ToyExecutor().execute_model(out)
-        self.finished.extend(self.sched.update(out, result).finished)
+        self.finished.extend(self.sched.update(out, result, self.engine.clock()).finished)
 
     @rule(data=st.data())
     def stop_string(self, data):
@@ -278,7 +331,11 @@ class PipelinedSchedulerMachine(SchedulerMachine):
     def in_flight_requests_are_untouched(self):
         if not hasattr(self, "flight"):
             return
-        assert self.sched.num_in_flight == len(self.flight)
+        engine_batches = self.engine.num_in_flight
+        assert self.sched.num_in_flight == len(self.flight) + engine_batches
+        # At most P batches in flight, counting EngineCore's own (its fill() included).
+        assert len(self.flight) + engine_batches <= self.pp
+        assert self.executor.max_in_flight <= self.pp, f"{self.executor.max_in_flight} batches in flight, P = {self.pp}"
         seen: set[str] = set()
         tables = self.sched.kv.tables
         for out, snapshot in self.flight:
@@ -294,9 +351,10 @@ class PipelinedSchedulerMachine(SchedulerMachine):
     def teardown(self):
         if not hasattr(self, "flight"):
             return
-        while self.flight:
+        while self.flight or self.engine.num_in_flight:
             self.update_oldest()
         SchedulerMachine.teardown(self)
+        assert self.executor.max_in_flight <= self.pp
         for req in self.finished:
             if req.request_id not in self.stopped or req.request_id in self.aborted:
                 continue
