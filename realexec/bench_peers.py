@@ -147,7 +147,13 @@ def run_vllm(python: str, model_dir: str | Path, requests: list[tuple[list[int],
             cmd.append("--enforce-eager")
         if max_model_len:
             cmd += ["--max-model-len", str(max_model_len)]
-        log_path = Path(log) if log else Path(tempfile.mkstemp(prefix="twinserve-vllm-", suffix=".log")[1])
+        if log is None:
+            fd, log = tempfile.mkstemp(prefix="twinserve-vllm-", suffix=".log")
+            os.close(fd)
+            keep_log = False
+        else:
+            keep_log = True
+        log_path = Path(log)
         with open(log_path, "w") as log_f:
             try:
                 rc = subprocess.run(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -157,7 +163,9 @@ def run_vllm(python: str, model_dir: str | Path, requests: list[tuple[list[int],
         if rc != 0 or not out_file.is_file():
             lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
             own = next((line for line in reversed(lines[-5:]) if line.startswith("error: ")), None)
-            if own is not None:              # the runner's own one-line error
+            if own is not None:              # the runner's own one-line error: the log adds nothing
+                if not keep_log:
+                    log_path.unlink(missing_ok=True)
                 raise PeerError(f"vllm peer: {own.removeprefix('error: ')}")
             # vLLM's engine process logs the root cause first; the last lines are the front end's traceback
             cause = next((line for line in lines if _EXCEPTION.search(line)), None)
@@ -165,7 +173,7 @@ def run_vllm(python: str, model_dir: str | Path, requests: list[tuple[list[int],
                             + (f"; first error: {cause.strip()[:600]}" if cause else "")
                             + "; its last lines:\n  " + "\n  ".join(lines[-8:]))
         result = json.loads(out_file.read_text())
-    if log is None:
+    if not keep_log:
         log_path.unlink(missing_ok=True)
     result["threads_bind"] = env.get("VLLM_CPU_OMP_THREADS_BIND", "vLLM default")
     result["kv_space_gib"] = env.get("VLLM_CPU_KVCACHE_SPACE", "vLLM default")

@@ -176,17 +176,18 @@ def test_vllm_peer_bad_paths_are_one_line_errors(tmp_path, fake_vllm, monkeypatc
     with pytest.raises(ValueError, match="needs --peer-python"):
         run_vllm(None, model, REQUESTS)
     with pytest.raises(PeerError, match=r"^vllm peer: --model /nonexistent/model: not a directory$"):
-        run_vllm(sys.executable, "/nonexistent/model", REQUESTS)
+        run_vllm(sys.executable, "/nonexistent/model", REQUESTS, log=tmp_path / "a.log")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "empty"))            # an interpreter without vllm
     with pytest.raises(PeerError, match=r"^vllm peer: cannot import vllm with .*ModuleNotFoundError"):
-        run_vllm(sys.executable, model, REQUESTS)
+        run_vllm(sys.executable, model, REQUESTS, log=tmp_path / "b.log")
 
 
-def test_vllm_peer_crash_names_the_root_cause(fake_vllm, monkeypatch):
+def test_vllm_peer_crash_names_the_root_cause(tmp_path, fake_vllm, monkeypatch):
     model, _ = fake_vllm
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
     with pytest.raises(PeerError, match=r"exited with status 1 .*first error: ValueError: Available memory on node 0"):
-        run_vllm(sys.executable, model, REQUESTS)
+        run_vllm(sys.executable, model, REQUESTS, log=tmp_path / "c.log")
+    assert "Traceback" in (tmp_path / "c.log").read_text()                  # the log is kept for the user
 
 
 @pytest.mark.parametrize("content, message", [
