@@ -22,6 +22,9 @@ from core import SamplingParams
 from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from realexec import LLM
 from realexec.executor import WorkerError
+# Imported here, not inside the hypothesis test below: importing a module that defines
+# @given tests from within a running @given test fails hypothesis' nested-test health check.
+from tests.core.test_step_message import add_mixed_workload
 from tests.realexec.test_distributed import (GREEDY, PARAMS, PROMPTS, TIGHT, assert_gone, kill_actor_mid_run,
                                              run_workload, tokens)
 from tests.tiny_models import save_tiny_llama
@@ -188,7 +191,6 @@ def test_step_messages_stay_true_with_batches_in_flight(lengths, outs, ns, beam,
     rebuild always equals the scheduler's view, and after the last departure nothing is left."""
     from core import CacheConfig, EngineCore, Scheduler, SchedulerConfig
     from policies import PolicySet
-    from tests.core.test_step_message import add_mixed_workload
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=seats + 2, max_num_batched_tokens=budget, max_model_len=40,
                                       pipeline_parallel_size=pp),
