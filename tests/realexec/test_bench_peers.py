@@ -331,7 +331,7 @@ def test_bench_throughput_runs_every_peer_alone_and_writes_the_table(tmp_path, f
     out = tmp_path / "res.json"
     with FakeLlamaServer() as srv:
         rc = main(["bench", "throughput", "--trace", str(trace), "--model", str(model), "--num-gpu-blocks", "64",
-                   "--block-size", "4", "--peer", "vllm", "--peer", "vllm-eager", "--peer", "llama-server",
+                   "--block-size", "4", "--peer", "vllm", "--peer", "vllm-eager", "--peer", "llama-server", "--peer", "hf",
                    "--peer-python", sys.executable, "--peer-url", srv.url, "--peer-concurrency", "2",
                    "--vllm-threads-bind", "0", "--output-json", str(out)])
     assert rc == 0, capsys.readouterr().err
@@ -343,9 +343,10 @@ def test_bench_throughput_runs_every_peer_alone_and_writes_the_table(tmp_path, f
         assert sorted(ids for ids, *_ in calls) == sorted(ours_ids)
         assert [m for _, m, *_ in calls] == [3, 4, 5, 6]
     assert [row["engine"] for row in res["table"]] == ["twinserve", "vLLM 0.0-fake compiled", "vLLM 0.0-fake eager",
-                                                       "llama-server -np>=2"]
+                                                       "llama-server -np>=2", "HF generate (batch 16)"]
     assert all(row["output_tokens"] == 3 + 4 + 5 + 6 for row in res["table"])
     assert res["table"][0]["ratio_vs_twinserve"] == 1.0
+    assert res["ratio"] == pytest.approx(1 / res["table"][-1]["ratio_vs_twinserve"])      # twinserve / HF, as before
     assert res["peers"]["vllm"]["threads_bind"] == "0" and res["workload"]["max_tokens"] == 18
     stdout = capsys.readouterr().out
     assert "ratio vs twinserve" in stdout and "vLLM 0.0-fake eager" in stdout
