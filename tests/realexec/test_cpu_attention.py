@@ -218,3 +218,29 @@ def test_non_fp32_and_cacheless_runs_use_the_reference():
     out = backend.forward(step.q.double(), step.k.double(), step.v.double(), step.k_cache.double().nan_to_num(),
                           step.v_cache.double().nan_to_num(), step.md, step.scale)
     assert out.dtype == torch.float64
+
+
+def test_without_a_compiler_the_default_falls_back_with_a_warning(monkeypatch):
+    from realexec.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "_lib", None)
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(cpu_backend.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_backend.KernelBuildError, match="no C.. compiler"):
+        CpuAttentionBackend()
+    with pytest.warns(RuntimeWarning, match="falling back to the slower torch attention backend"):
+        backend = cpu_backend.default_cpu_backend()
+    assert isinstance(backend, TorchAttentionBackend)
+
+
+def test_a_failed_build_reports_the_compiler_error(monkeypatch, tmp_path):
+    from realexec.attention import cpu_backend
+
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_backend, "_lib", None)
+    monkeypatch.setattr(cpu_backend, "SOURCE", broken)
+    monkeypatch.setenv("TWINSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(cpu_backend.KernelBuildError, match="building the CPU attention kernel failed"):
+        cpu_backend.load_library()
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so")), "a failed build left a library behind"
