@@ -55,6 +55,28 @@ inline void exp_shifted(float* __restrict x, float shift, int64_t n) {
     }
 }
 
+// One block's scores sr[0:BS] (masked keys -inf) into one query row's online softmax: sr
+// becomes exp(score - the new running max m), what the row accumulated in ar[0:D] so far
+// is rescaled to that max, and the running sum l takes the block's. The caller then adds
+// sr . V into ar.
+inline void online_softmax_block(float* __restrict sr, int64_t BS, float& m, float& l, float* __restrict ar,
+                                 int64_t D) {
+    float mx = m;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sr[t]);
+    exp_shifted(sr, mx, BS);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < BS; ++t) sum += sr[t];
+    if (mx != m) {                                  // rescale what was accumulated so far
+        const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m - mx);
+        l *= alpha;
+        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+        m = mx;
+    }
+    l += sum;
+}
+
 // ar[0:D] += sum_t p[t] * v[t][0:D] over n value rows `vstride` floats apart. With a
 // compile-time D the accumulator is a local array the compiler keeps in registers.
 template <int kD>
@@ -185,21 +207,8 @@ void attend(const Args& a, const Item& it, Scratch& sc) {
             if (visible <= 0) continue;          // the whole block lies after this query
             float* sr = s + r * BS;
             for (int64_t t = visible; t < BS; ++t) sr[t] = neg_inf;
-            float mx = m[r];
-#pragma omp simd reduction(max : mx)
-            for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sr[t]);
-            exp_shifted(sr, mx, BS);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < BS; ++t) sum += sr[t];
             float* ar = acc + r * D;
-            if (mx != m[r]) {                    // rescale what was accumulated so far
-                const float alpha = m[r] == neg_inf ? 0.0f : std::exp(m[r] - mx);
-                l[r] *= alpha;
-                for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-                m[r] = mx;
-            }
-            l[r] += sum;
+            online_softmax_block(sr, BS, m[r], l[r], ar, D);
             pv_accumulate<kD>(ar, sr, a.v_cache + base, row, visible, D);
         }
     }
@@ -259,21 +268,8 @@ void attend_decode(const Args& a, const Item& it, Scratch& sc) {
                 sr[t] = dot;
             }
             for (int64_t t = n; t < BS; ++t) sr[t] = neg_inf;
-            float mx = m[r];
-#pragma omp simd reduction(max : mx)
-            for (int64_t t = 0; t < BS; ++t) mx = std::max(mx, sr[t]);
-            exp_shifted(sr, mx, BS);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < BS; ++t) sum += sr[t];
             float* ar = acc + r * D;
-            if (mx != m[r]) {
-                const float alpha = m[r] == neg_inf ? 0.0f : std::exp(m[r] - mx);
-                l[r] *= alpha;
-                for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-                m[r] = mx;
-            }
-            l[r] += sum;
+            online_softmax_block(sr, BS, m[r], l[r], ar, D);
             pv_accumulate<kD>(ar, sr, vb + h * D, row, n, D);
         }
     }
