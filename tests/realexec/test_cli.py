@@ -4,6 +4,7 @@ the content-keyed GGUF conversion cache."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -177,6 +178,22 @@ class StreamReader:
         return False
 
 
+@contextlib.contextmanager
+def cli_process(*args: str):
+    """A `python -m realexec ...` subprocess whose stdout and stderr are read as they come;
+    killed if still running, and its readers joined, on the way out."""
+    proc = subprocess.Popen(cli(*args), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = StreamReader(proc, proc.stdout), StreamReader(proc, proc.stderr)
+    try:
+        yield proc, out, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.thread.join(5)
+        err.thread.join(5)
+
+
 def test_generate_streams_says_it_capped_and_stops_on_ctrl_c_with_abort(tiny_dir):
     """stdout is a pipe (not a terminal): text still arrives while the request runs; the
     --max-tokens cap is announced up front; SIGINT ends it with the text so far, finish
@@ -185,11 +202,8 @@ def test_generate_streams_says_it_capped_and_stops_on_ctrl_c_with_abort(tiny_dir
 
     prompt = "Once upon a time"
     n_prompt = len(AutoTokenizer.from_pretrained(tiny_dir)(prompt).input_ids)
-    proc = subprocess.Popen(cli("generate", "--model", tiny_dir, "--prompt", prompt, "--max-tokens", "100000",
-                                "--ignore-eos", "--kv-cache-memory", "0.05", "--swap-space", "0"),
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = StreamReader(proc, proc.stdout), StreamReader(proc, proc.stderr)
-    try:
+    with cli_process("generate", "--model", tiny_dir, "--prompt", prompt, "--max-tokens", "100000",
+                     "--ignore-eos", "--kv-cache-memory", "0.05", "--swap-space", "0") as (proc, out, err):
         assert out.wait_for(lambda d: len(d.decode(errors="replace").strip()) >= 20, timeout=240), \
             (out.data, err.data)
         assert out.first_while_running, "the first text came only after generate had exited"
@@ -197,12 +211,6 @@ def test_generate_streams_says_it_capped_and_stops_on_ctrl_c_with_abort(tiny_dir
         assert proc.poll() is None, "2046 tokens should take longer than this"
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out.thread.join(5)
-    err.thread.join(5)
     stdout, stderr = out.data.decode(), err.data.decode()
     assert code == 130, (stdout[-300:], stderr)
     assert f"note: --max-tokens 100000 capped at {2048 - n_prompt}: max_model_len 2048 minus the prompt's " \
@@ -242,21 +250,12 @@ def test_short_serve_run_exits_quietly(tiny_dir):
     """`serve` started, stopped with SIGINT (drain, exit 0): nothing alarming on stderr."""
     pytest.importorskip("uvicorn")
     port = free_port()
-    proc = subprocess.Popen(cli("serve", "--model", tiny_dir, "--port", str(port), "--kv-cache-memory", "0.05",
-                                "--swap-space", "0", "--log-level", "warning"),
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = StreamReader(proc, proc.stdout), StreamReader(proc, proc.stderr)
-    try:
+    with cli_process("serve", "--model", tiny_dir, "--port", str(port), "--kv-cache-memory", "0.05",
+                     "--swap-space", "0", "--log-level", "warning") as (proc, out, err):
         assert out.wait_for(lambda d: b"serving" in d, timeout=240), (out.data, err.data)
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out.thread.join(5)
-    err.thread.join(5)
     assert code == 0, err.data.decode()[-2000:]
     assert b"stopped; 0 KV blocks in use" in out.data
     assert b"nanobind: leaked" not in err.data, err.data.decode()[:1000]

@@ -7,6 +7,7 @@ shutdown tests start the CLI as a subprocess and signal it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -304,27 +305,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(tiny_dir, *extra) -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def _server(tiny_dir, *extra):
+    """A `realexec serve` process of our own, yielded as (process, base URL) once healthy;
+    killed on the way out if it is still running (also when it never became healthy)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "realexec", "serve", "--model", tiny_dir, "--port", str(port),
            "--num-gpu-blocks", "1024", "--swap-space", "0.01", "--log-level", "warning", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "server did not start"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _assert_stopped_with_every_block_free(proc: subprocess.Popen) -> None:
+    out = proc.stdout.read()
+    assert "twinserve: stopped; 0 KV blocks in use" in out, out
 
 
 def test_sigterm_drains_then_exits_clean(tiny_dir):
-    proc, base = _start_server(tiny_dir, "--shutdown-timeout", "3")
-    try:
+    with _server(tiny_dir, "--shutdown-timeout", "3") as (proc, base):
         results: dict[str, list[str]] = {}
         started = {name: threading.Event() for name in ("short", "long")}
 
@@ -357,17 +371,11 @@ def test_sigterm_drains_then_exits_clean(tiny_dir):
         assert results["long"][-1] == "[DONE]"                                            # cut at the timeout
         assert json.loads(results["long"][-2])["error"]["code"] == "shutting_down"
         assert proc.wait(30) == 0
-        out = proc.stdout.read()
-        assert "twinserve: stopped; 0 KV blocks in use" in out, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _assert_stopped_with_every_block_free(proc)
 
 
 def test_second_signal_exits_at_once(tiny_dir):
-    proc, base = _start_server(tiny_dir, "--shutdown-timeout", "60")
-    try:
+    with _server(tiny_dir, "--shutdown-timeout", "60") as (proc, base):
         started = threading.Event()
 
         def stream():
@@ -388,10 +396,6 @@ def test_second_signal_exits_at_once(tiny_dir):
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 1 and time.monotonic() - t0 < 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_stalled_upload_does_not_hold_the_drain(tiny_dir):
@@ -399,8 +403,7 @@ def test_stalled_upload_does_not_hold_the_drain(tiny_dir):
     held the exit after SIGTERM for the whole --shutdown-timeout plus 10 s and got a
     text/plain 500. A request that never reached the engine is not waited for: it gets a
     JSON 503 at once and the server exits promptly (default --body-read-timeout 30 s)."""
-    proc, base = _start_server(tiny_dir, "--shutdown-timeout", "30")
-    try:
+    with _server(tiny_dir, "--shutdown-timeout", "30") as (proc, base):
         host, port = base.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as s:
             s.sendall(post_head(1000, auth=False) + b'{"prompt": "h')
@@ -415,12 +418,7 @@ def test_stalled_upload_does_not_hold_the_drain(tiny_dir):
         assert json.loads(body)["error"]["code"] == "shutting_down"
         assert proc.wait(20) == 0
         assert time.monotonic() - t0 < 10, "the exit waited for the stalled upload"
-        out = proc.stdout.read()
-        assert "twinserve: stopped; 0 KV blocks in use" in out, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _assert_stopped_with_every_block_free(proc)
 
 
 def test_serve_exits_nonzero_when_kv_blocks_leak(tiny_dir, monkeypatch, capsys):
