@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.request import Request, RequestStatus, Sequence
-from core.stop import STOPPED, stop_status
+from core.sched.request import Request, RequestStatus, Sequence
+from core.sched.stop import STOPPED, stop_status
 
 
 def beam_score(seq: Sequence, length_penalty: float) -> float:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.block_hash import block_hasher
+from core.kv.block_hash import block_hasher
 # Defaults both backends derive the same way (the simulator's `resolve`, the real engine).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -58,7 +58,7 @@ class CacheConfig:
     num_cpu_blocks: int = 0          # swap space; 0 disables swapping (swap falls back to recompute)
     enable_prefix_caching: bool = False
     watermark: float = 0.01          # fraction of GPU blocks new admissions must leave free
-    prefix_caching_hash_algo: str = "sha256"   # block keys: sha256 | builtin | registered (core/block_hash.py)
+    prefix_caching_hash_algo: str = "sha256"   # block keys: sha256 | builtin | registered (core/kv/block_hash.py)
 
     def validate(self) -> None:
         if self.block_size < 1:

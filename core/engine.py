@@ -4,7 +4,7 @@ With pipeline parallelism (P stages) the engine keeps up to P batches in flight,
 stage k works on batch i while stage k+1 works on batch i-1: vLLM v1's batch queue. We
 chose it over v0's virtual engines (P schedulers, each owning a share of the requests and
 the KV pool) because one scheduler keeps one KV pool, one queue order and one place that
-decides; the scheduler's in-flight rule (see core.scheduler) is all it takes.
+decides; the scheduler's in-flight rule (see core.sched.scheduler) is all it takes.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, Protocol
 
-from core.request import Request
+from core.sched.request import Request
 from core.outputs import ModelRunnerOutput, SchedulerOutput, StepResult
-from core.scheduler import Scheduler
+from core.sched.scheduler import Scheduler
 
 _EMPTY = ModelRunnerOutput(token_ids={})
 

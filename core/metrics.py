@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from core.request import Request, RequestStatus
+from core.sched.request import Request, RequestStatus
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -62,7 +62,7 @@ class RequestRecord:
     num_swaps: int
     queue_time: float
     token_times: list[float]
-    reject_reason: str | None = None       # why the scheduler rejected it (core.scheduler._never_fits)
+    reject_reason: str | None = None       # why the scheduler rejected it (core.sched.scheduler._never_fits)
 
     @classmethod
     def from_request(cls, r: Request) -> "RequestRecord":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.request import Request, Sequence
+from core.sched.request import Request, Sequence
 
 
 class ScheduledSeq:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "realexec.llm",
-    "LLMEngine": "realexec.engine",
-    "RequestOutput": "realexec.engine",
-    "CompletionOutput": "realexec.engine",
+    "LLM": "realexec.engine.llm",
+    "LLMEngine": "realexec.engine.llm_engine",
+    "RequestOutput": "realexec.engine.llm_engine",
+    "CompletionOutput": "realexec.engine.llm_engine",
     "EngineArgs": "realexec.config",
     "SamplingParams": "core",
     "InvalidRequestError": "core",

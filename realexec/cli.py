@@ -5,8 +5,8 @@ Commands live in the `COMMANDS` table: a name maps to a `Command` (help text plu
 table (a command group such as `bench`). Modules are imported only for the command
 being run, so adding one is a single table entry:
 
-    COMMANDS["bench"]["kernels"] = Command("Triton kernel bandwidth", "realexec.kernels.bench:add_arguments",
-                                           "realexec.kernels.bench:run")
+    COMMANDS["bench"]["kernels"] = Command("Triton kernel bandwidth", "realexec.bench.kernels:add_arguments",
+                                           "realexec.bench.kernels:run")
 
 A runner takes the parsed namespace and returns an exit code. A user's mistake (a bad flag
 or value, InvalidRequestError, a missing file, a bad trace, a server that cannot be
@@ -43,22 +43,22 @@ COMMANDS: dict[str, Command | dict] = {
     "serve": Command("OpenAI-compatible HTTP server (completions, chat, models, health, metrics)",
                      "realexec.server.cli:add_serve_arguments", "realexec.server.cli:run_serve"),
     "profile": Command("time real engine steps over a grid and fit the simulator's step-cost model",
-                       "realexec.profile:add_arguments", "realexec.profile:run"),
+                       "realexec.twin.profile:add_arguments", "realexec.twin.profile:run"),
     "export-hf": Command("write a model (default: the embedded GGUF) as an fp32 Hugging Face directory, e.g. for vLLM",
-                         "realexec.export_hf:add_arguments", "realexec.export_hf:run"),
+                         "realexec.models.export_hf:add_arguments", "realexec.models.export_hf:run"),
     "bench": {
         "throughput": Command("offline throughput: our engine vs HF generate, vLLM, llama-server (--peer)",
-                              "realexec.bench_throughput:add_arguments", "realexec.bench_throughput:run"),
+                              "realexec.bench.throughput:add_arguments", "realexec.bench.throughput:run"),
         "serve": Command("serving benchmark: stream a trace's requests at a rate to an OpenAI-compatible server",
-                         "realexec.bench_serve:add_arguments", "realexec.bench_serve:run"),
+                         "realexec.bench.serve:add_arguments", "realexec.bench.serve:run"),
         "chaos": Command("good traffic under malformed, oversized, disconnecting and timing-out traffic",
-                         "realexec.bench_chaos:add_arguments", "realexec.bench_chaos:run"),
+                         "realexec.bench.chaos:add_arguments", "realexec.bench.chaos:run"),
         "executors": Command("uni / mp / ray executors: step-message bytes, RPC overhead, tok/s; SmolLM2 TP=1 vs 3",
-                             "realexec.bench_executors:add_arguments", "realexec.bench_executors:run"),
+                             "realexec.bench.executors:add_arguments", "realexec.bench.executors:run"),
         "pipeline": Command("pipeline parallelism: stage busy fraction and tok/s, 1 vs P batches in flight",
-                            "realexec.bench_pipeline:add_arguments", "realexec.bench_pipeline:run"),
+                            "realexec.bench.pipeline_overlap:add_arguments", "realexec.bench.pipeline_overlap:run"),
         "kernels": Command("CUDA: Triton decode-attention bandwidth, and decode step graph vs eager",
-                           "realexec.bench_graphs:add_kernels_arguments", "realexec.bench_graphs:run_kernels"),
+                           "realexec.bench.graphs:add_kernels_arguments", "realexec.bench.graphs:run_kernels"),
     },
 }
 
@@ -174,7 +174,7 @@ def run_generate(args) -> int:
         raise InvalidRequestError("prompt is empty")
     engine_args = engine_args_from_namespace(args)
     engine_args.validate()
-    from realexec.llm import LLM
+    from realexec.engine.llm import LLM
     from realexec.progress import busy
 
     with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):   # bars only on a terminal

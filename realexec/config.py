@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from core import block_hasher, register_block_hasher
-from core.block_hash import make_digest_hasher
+from core.kv.block_hash import make_digest_hasher
 
 try:                                 # the core imports only the stdlib: faster hashes come from here
     import xxhash
@@ -31,7 +31,7 @@ def _arg(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
-# --dtype values (fp32, fp16, half, bf16: aliases); realexec.loader maps them to torch dtypes.
+# --dtype values (fp32, fp16, half, bf16: aliases); realexec.models.loader maps them to torch dtypes.
 DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "half", "bf16")
 
 

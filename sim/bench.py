@@ -14,7 +14,7 @@ Both modes must give identical per-request records; the table says so, and the s
 row gives event skipping's speed-up over it (same run, same trace).
 
 Fleet rows (`--fleet`, default 1,2,4): the same requests at N times the rate on N replicas
-(`sim.fleet`, least-requests router, event skipping), i.e. about the same total work; "vs
+(`sim.cluster.fleet`, least-requests router, event skipping), i.e. about the same total work; "vs
 peer" is the fleet's wall over the single engine's skipping wall of the same run, and over
 the summed walls of N single engines each simulating the requests one replica served, at
 their times ("replicas alone": exactly the fleet's work, so the ratio is the fleet's own
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every measurement R times and report the best wall (default 1)")
     p.add_argument("--profile", metavar="FILE", help="cProfile the event-skipping run of the last workload")
     p.add_argument("--fleet", default="1,2,4", metavar="N,...",
-                   help="fleet rows: each workload N times faster on N replicas (sim.fleet, least-requests, "
+                   help="fleet rows: each workload N times faster on N replicas (sim.cluster.fleet, least-requests, "
                         "event skipping), its wall against one replica's; '' for none (default 1,2,4)")
     return p
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode != "skip":
                 del result
         for n in fleet_sizes:
-            from sim.fleet import FleetConfig, simulate_fleet
+            from sim.cluster.fleet import FleetConfig, simulate_fleet
             fast = retime(trace, time_scale=1.0 / n) if n > 1 else trace
             config = SimConfig(model=args.model, hardware=args.hardware)
             fleet, wall = timed(lambda: simulate_fleet(FleetConfig(config, n, "least-requests"), fast), args.repeat)

@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from policies import REGISTRY
-from sim import calibrate, compare, replay, search, validate
+from sim.explore import compare, search
+from sim.twin import calibrate, replay, validate
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
                         positive_int, with_measured_engine)
 from sim.engine import ResolvedConfig, resolve
@@ -141,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_fleet(p: argparse.ArgumentParser) -> None:
-    from sim.disagg import LINKS
-    g = p.add_argument_group("fleet (sim.fleet, sim.disagg)")
+    from sim.cluster.disagg import LINKS
+    g = p.add_argument_group("fleet (sim.cluster.fleet, sim.cluster.disagg)")
     g.add_argument("--replicas", type=positive_int, metavar="N", default=1,
                    help="N replicas of the deployment behind --router, on one clock (default: 1)")
     g.add_argument("--router", default=None, choices=list(REGISTRY["router"]),
@@ -273,8 +274,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_fleet(args: argparse.Namespace, resolved: ResolvedConfig, trace: Trace, out: Path) -> int:
-    from sim.disagg import DisaggConfig, DisaggFleet, parse_split
-    from sim.fleet import Fleet, FleetConfig, format_fleet_summary, write_fleet_results
+    from sim.cluster.disagg import DisaggConfig, DisaggFleet, parse_split
+    from sim.cluster.fleet import Fleet, FleetConfig, format_fleet_summary, write_fleet_results
     if (args.slo_ttft is None) != (args.slo_tpot is None):
         raise UsageError("give both --slo-ttft and --slo-tpot")
     slo = (args.slo_ttft, args.slo_tpot) if args.slo_ttft else None
@@ -298,7 +299,7 @@ def _run_fleet(args: argparse.Namespace, resolved: ResolvedConfig, trace: Trace,
 
 
 def parse_policies(specs: list[str] | None) -> list[tuple[str, dict[str, str]]]:
-    """'queue=fcfs,queue=sjf+preemption=swap,orca-max' -> [(label, overrides), ...] (sim.compare)."""
+    """'queue=fcfs,queue=sjf+preemption=swap,orca-max' -> [(label, overrides), ...] (sim.explore.compare)."""
     if not specs:
         return [("", {})]
     try:
@@ -335,7 +336,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for rate, (label, resolved) in itertools.product(rates, runs):
         name = f"rate{rate:g}" + (f"-{label.replace('=', '_').replace('+', '-')}" if label else "")
         points.append((resolved, traces[rate], str(Path(args.save_runs) / name) if args.save_runs else None))
-    from sim.parallel import run_points
+    from sim.explore.points import run_points
     summaries = run_points(sweep_point, points, use_ray=args.ray or bool(args.ray_address),
                            ray_address=args.ray_address, desc="sweep", progress=not args.quiet)
     for (rate, (label, _)), summary in zip(itertools.product(rates, runs), summaries):

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 from policies import REGISTRY
-from sim.specs import HARDWARE, MODELS
+from core.cost.specs import HARDWARE, MODELS
 
 DEFAULT_MODEL = "Llama-2-13B"
 DEFAULT_HARDWARE = "A100-40G"
@@ -242,7 +242,7 @@ def with_measured_engine(config: SimConfig, explicit: set[str] | None, warn=None
     memory instead of the measured block count."""
     if config.cost_model is None:
         return config
-    from sim.fitted_cost import load_cost_model_file
+    from core.cost.fitted import load_cost_model_file
     try:
         model = load_cost_model_file(config.cost_model)
     except ValueError:

@@ -22,7 +22,7 @@ Event skipping. After every normal step the engine asks the core for its steady-
 horizon h (steps that would each decode one token for every running sequence with no
 admission, swap, preemption or copy-on-write; the last may be the step in which the first
 sequences reach their length limit). It runs k <= h of them in bulk with
-`core.event_skipping.fast_forward`, where k stops before the first step that would start at
+`core.sched.event_skipping.fast_forward`, where k stops before the first step that would start at
 or after the next arrival; a span that ends in finishes is followed at once by the next span
 (no normal step: the next horizon re-checks admission against the freed blocks). Per-step durations come from the same cost-model call the
 step-by-step mode makes, summed in the same order, and each skipped step's memory
@@ -47,18 +47,18 @@ import simpy
 from core import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler,
                   SchedulerConfig, SchedulerOutput)
 from core.config import default_max_model_len, default_max_num_batched_tokens
-from core.kv_cache_manager import KVCacheManager
-from core.event_skipping import (describe_steady_decode, fast_forward, renew_steady_plan, schedule_steady_step,
+from core.kv.kv_cache_manager import KVCacheManager
+from core.sched.event_skipping import (describe_steady_decode, fast_forward, renew_steady_plan, schedule_steady_step,
                                  update_steady_step)
 from core.metrics import RequestRecord
 from policies import PolicySet
 from sim.config import SimConfig
-from sim.cost_model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
-from sim.fitted_cost import FittedCostModel
+from core.cost.model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
+from core.cost.fitted import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
 from sim.memory import MemoryAccumulator, SpanModel, blocks_at_finish, growth_from_offsets, sample as memory_sample
-from sim.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
-from sim.stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacity_blocks
+from core.cost.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
+from sim.cluster.pipeline_stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacity_blocks
 from traces import HashedBlockTokens, Trace
 
 # Synthetic prompts (traces without token ids): request i's prompt is the id
@@ -202,7 +202,7 @@ class SimResult:
     timeseries: list[tuple] = field(repr=False, default_factory=list)
     memory_breakdown: dict = field(default_factory=dict)   # sim.memory: Figure 2 shares, slot-seconds
     kv_sharing: dict = field(default_factory=dict)         # sim.memory: physical vs logical blocks
-    pipeline: dict = field(default_factory=dict)           # sim.pipeline: stages, busy fractions (P > 1)
+    pipeline: dict = field(default_factory=dict)           # sim.cluster.pipeline_parallel: stages, busy fractions (P > 1)
 
     # kv_usage: fraction of GPU blocks in use; the four breakdown columns: fraction of all
     # KV slots (a span's or idle gap's time mean). Rows hold blocks/slots until written.
@@ -273,7 +273,7 @@ class SimEngine:
                                                    jitter_seed=cfg.jitter_seed)
         self.executor = SimExecutor(cost_model, resolved.block_bytes, seed=cfg.seed)
         self.executor.fast_tokens = cfg.n == 1 and not cfg.beam_width
-        # jittered step times are drawn in step order (sim.fitted_cost)
+        # jittered step times are drawn in step order (core.cost.fitted)
         self.event_skipping = cfg.event_skipping and cfg.jitter_seed is None
         self.progress = progress
         self.env = simpy.Environment()
@@ -304,7 +304,7 @@ class SimEngine:
         self.num_steps = 0
         self.num_normal_steps = 0
         self._steady = None            # the running set as a SteadyDecode plan (event skipping), or None
-        # Spans may go on past finishes (core.event_skipping._horizon's past_finishes) when
+        # Spans may go on past finishes (core.sched.event_skipping._horizon's past_finishes) when
         # a finish frees exactly its sequence's blocks (paged, no prefix cache, one sequence
         # per request: the span's memory accounting follows in closed form) and creates no
         # event (no conversation turn follows it).
@@ -489,7 +489,7 @@ class SimEngine:
                 yield from self._idle_until(self._next_event())
                 continue
             # A span that stopped for arrivals leaves its plan: the step that admits them
-            # then takes the plan's decodes in bulk (core.event_skipping.schedule_steady_step).
+            # then takes the plan's decodes in bulk (core.sched.event_skipping.schedule_steady_step).
             steady = self._steady
             step = schedule_steady_step(sched, steady, clock) if steady is not None else None
             if step is None:

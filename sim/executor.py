@@ -20,7 +20,7 @@ import math
 from operator import attrgetter
 
 from core import ModelRunnerOutput, SchedulerOutput, Sequence
-from sim.cost_model import BatchShape, CostModel
+from core.cost.model import BatchShape, CostModel
 
 # Sampled and prompt ids never use this id, so EOS never stops a simulated request.
 SIM_EOS_TOKEN_ID = 0
@@ -66,7 +66,7 @@ class SimExecutor:
     def step_time(self, out: SchedulerOutput, decodes: int = 0, decode_context: int = 0) -> float:
         """Seconds the step takes: compute (roofline of the batch) + swap copies.
         `decodes` more sequences with `decode_context` cached tokens in all decode one
-        token each besides `out.scheduled` (core.event_skipping.SteadyStep)."""
+        token each besides `out.scheduled` (core.sched.event_skipping.SteadyStep)."""
         scheduled = out.scheduled
         dt = 0.0
         if scheduled or decodes:
@@ -110,7 +110,7 @@ class SimExecutor:
 
     def token_ids(self, seq: Sequence, first_position: int, count: int):
         """`token_id(seq, p)` for p in [first_position, first_position + count) as a
-        list: the `token_fn` of `core.event_skipping.fast_forward`, no per-token Python
+        list: the `token_fn` of `core.sched.event_skipping.fast_forward`, no per-token Python
         work (slices of one table of the ids: no int object is created per token)."""
         mod = TOKEN_MODULUS
         start = ((seq.seq_id - self.seq_id_base) * _SEQ_STRIDE + first_position) % mod
@@ -126,7 +126,7 @@ class SimExecutor:
 
     def extend_tokens(self, seqs: list[Sequence], count: int) -> None:
         """Append `token_ids(seq, len(seq.token_ids), count)` to every sequence of `seqs`
-        (`core.event_skipping.fast_forward`'s `extend_tokens`)."""
+        (`core.sched.event_skipping.fast_forward`'s `extend_tokens`)."""
         base, table, mod = self.seq_id_base, _TOKEN_TABLE, TOKEN_MODULUS
         for seq in seqs:
             tokens = seq.token_ids

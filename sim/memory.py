@@ -36,9 +36,9 @@ the same order, so both modes produce bit-identical sums (tested).
 """
 from __future__ import annotations
 
-from core.contiguous import ContiguousKVCacheManager
-from core.event_skipping import memory_breakdown
-from core.kv_cache_manager import KVCacheManager
+from core.kv.contiguous import ContiguousKVCacheManager
+from core.sched.event_skipping import memory_breakdown
+from core.kv.kv_cache_manager import KVCacheManager
 
 CATEGORIES = ("token_states", "reserved", "internal_frag", "external_frag")
 
@@ -136,7 +136,7 @@ def block_growth_steps(sched, block_size: int, seqs=None) -> tuple[list[int], di
     j0 + block_size, ... Returns (starts, late): starts[j] counts sequences with j0 = j <
     block_size (paged tables); late maps a j0 past the first block (a contiguous region
     covers its sequence's whole life) to its count. `seqs`: the running sequences in batch
-    order, when the caller has them (`core.event_skipping.SteadyDecode.seqs`)."""
+    order, when the caller has them (`core.sched.event_skipping.SteadyDecode.seqs`)."""
     starts = [0] * block_size
     late: dict[int, int] = {}
     tables = sched.kv.tables

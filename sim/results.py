@@ -29,7 +29,7 @@ REQUEST_COLUMNS = (
     "num_cached_prompt_tokens", "num_swaps", "reject_reason",
 )
 
-# Kinds of rejection, by the start of the reason core.scheduler (`_never_fits`) gives;
+# Kinds of rejection, by the start of the reason core.sched.scheduler (`_never_fits`) gives;
 # summary.json counts them, the printed summary says what to change for each.
 REJECT_KINDS = (
     ("prompt_too_long", "prompt has "),                    # prompt >= max_model_len
@@ -158,7 +158,7 @@ def reject_lines(summary: dict) -> list[str]:
 
 
 def _reject_hint(kind: str, r: dict, c: dict) -> str:
-    from sim.specs import MODELS
+    from core.cost.specs import MODELS
     cache_tokens = c["num_gpu_blocks"] * c["block_size"]
     more_kv = "more KV cache (--hardware with more memory, --tp, --gpu-memory-utilization, --num-gpu-blocks)"
     if kind == "prompt_too_long":
@@ -210,7 +210,7 @@ def format_summary(summary: dict) -> str:
     pp = c.get("pp", 1)
     gpus = f"{c['tp']}x" if pp == 1 else f"{c['tp'] * pp}x (TP{c['tp']} x PP{pp})"
     hardware = c["hardware"]
-    if c.get("replicas", 1) > 1 or c.get("disaggregate"):          # a fleet (sim.fleet.fleet_summary)
+    if c.get("replicas", 1) > 1 or c.get("disaggregate"):          # a fleet (sim.cluster.fleet.fleet_summary)
         per = c["tp"] * pp
         split = c.get("disaggregate")
         what = (f"{split.split(':')[0]} prefill + {split.split(':')[1]} decode replicas" if split

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sim.config import SimConfig
 from sim.engine import ResolvedConfig, SimEngine, SimResult, resolve
-from sim.pipeline import PipelineSimEngine
+from sim.cluster.pipeline_parallel import PipelineSimEngine
 from traces import Trace
 
 

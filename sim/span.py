@@ -1,7 +1,7 @@
 """A steady-decode span: planned ahead, then committed in order (whole, or in pieces).
 
 Event skipping (`sim.engine`) runs the steady decode steps the core describes
-(`core.event_skipping.SteadyDecode`) without one engine iteration each, in two passes:
+(`core.sched.event_skipping.SteadyDecode`) without one engine iteration each, in two passes:
 
 * planning (`Span.extend`, `Span.cover`): price the steps with the cost model's
   `decode_step_times` (the same floats as single steps) and stamp their end times (a
@@ -13,9 +13,9 @@ Event skipping (`sim.engine`) runs the steady decode steps the core describes
   [done, k) add their time-weighted accounting to the engine's integrals (blocks in use,
   the memory breakdown, request counts: sums of the same products in step order as single
   steps, so bit-identical), one timeseries row per phase piece, and are applied to the
-  core (`core.event_skipping.fast_forward`).
+  core (`core.sched.event_skipping.fast_forward`).
 
-A fleet replica (`sim.fleet`, `sim.disagg`) plans to the fleet's next arrival, grows the
+A fleet replica (`sim.cluster.fleet`, `sim.cluster.disagg`) plans to the fleet's next arrival, grows the
 plan while the router sends requests elsewhere, and commits when a request is delivered
 to it or the router reads its KV state. The single engine knows its next event when a span
 starts and commits every span whole, so it prices and accounts in one fused loop

@@ -63,3 +63,33 @@ def test_ci_runs_the_gates_the_readme_names():
     ci = re.search(r"^ci:(.*)$", makefile, re.M)
     assert ci and ci.group(1).split() == ["lint", "docs", "test"]
     assert "make ci" in (ROOT / "README.md").read_text() and "make lint docs test" in (ROOT / "README.md").read_text()
+
+
+MAX_MODULES_PER_PACKAGE = 15
+SOURCE_PACKAGES = ["core", "policies", "sim", "realexec", "traces", "plots"]
+
+
+def package_sizes() -> dict[str, int]:
+    """Modules (.py files other than __init__/__main__) directly inside each source package."""
+    sizes = {}
+    for top in SOURCE_PACKAGES:
+        for init in (ROOT / top).rglob("__init__.py"):
+            pkg = init.parent
+            sizes[str(pkg.relative_to(ROOT))] = sum(
+                1 for p in pkg.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    return sizes
+
+
+def test_packages_are_cut_by_role_with_at_most_15_modules_each():
+    sizes = package_sizes()
+    assert {"core/sched", "core/kv", "core/cost", "sim/twin", "realexec/executor", "realexec/worker"} <= set(sizes)
+    too_big = {pkg: n for pkg, n in sizes.items() if n > MAX_MODULES_PER_PACKAGE}
+    assert not too_big, f"split these packages by role (more than {MAX_MODULES_PER_PACKAGE} modules): {too_big}"
+
+
+def test_tests_mirror_the_source_tree():
+    """Every test folder names a source package (tests/sim/twin <-> sim/twin), so a module's tests are found by path."""
+    for init in (ROOT / "tests").rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT / "tests")
+        if rel.parts and rel.parts[0] in SOURCE_PACKAGES:
+            assert (ROOT / rel / "__init__.py").exists(), f"tests/{rel} has no source package {rel}"

@@ -33,10 +33,10 @@ log = logging.getLogger("mkdocs.hooks.reference")
 SINGLE_CLIS = [
     ("python -m traces", "traces.cli", []),
     ("python -m sim.bench", "sim.bench", []),
-    ("python -m sim.twin_tables", "sim.twin_tables", []),
-    ("python -m sim.twin_spread", "sim.twin_spread", []),
+    ("python -m sim.twin.tables", "sim.twin.tables", []),
+    ("python -m sim.twin.spread", "sim.twin.spread", []),
     ("python -m core.bench", "core.bench", []),
-    ("python -m realexec.bench_gpu", "realexec.bench_gpu", []),
+    ("python -m realexec.bench.gpu", "realexec.bench.gpu", []),
     ("python -m plots", "plots.__main__", []),
     ("python -m plots.pipeline", "plots.pipeline", []),
 ]

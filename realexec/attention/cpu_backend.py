@@ -72,7 +72,7 @@ def _cpu_flags() -> str:
 
 
 def library_path(compiler: str) -> Path:
-    from realexec.loader import cache_root
+    from realexec.models.loader import cache_root
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler] + FLAGS).encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     return cache_root() / "kernels" / f"paged_attention-{key}.so"

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, get_attention_backend
-from ..parallel import PPGroup, TPGroup
+from realexec.attention import AttentionMetadata, get_attention_backend
+from realexec.distributed import PPGroup, TPGroup
 from .config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

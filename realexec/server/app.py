@@ -49,7 +49,7 @@ from realexec.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletio
                                       DeltaMessage, ModelCard, ModelList, TopLogprob, Usage)
 
 if TYPE_CHECKING:
-    from realexec.engine import LLMEngine
+    from realexec.engine.llm_engine import LLMEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DISCONNECT_POLL_S = 0.5
@@ -396,7 +396,7 @@ def create_app(engine: "LLMEngine | None" = None, *, engine_args=None,
     config = config if config is not None else ServerConfig()
     config.validate()
     if engine is None:
-        from realexec.engine import LLMEngine
+        from realexec.engine.llm_engine import LLMEngine
         engine = LLMEngine(engine_args)
     if served_model_name is None:
         names = [default_served_model_name(engine.args.model)]

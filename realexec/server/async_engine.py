@@ -49,7 +49,7 @@ from realexec.server.errors import EngineDeadError, QueueFullError, RequestTimeo
 from realexec.server.metrics import EngineStats
 
 if TYPE_CHECKING:
-    from realexec.engine import LLMEngine, RequestOutput
+    from realexec.engine.llm_engine import LLMEngine, RequestOutput
     from realexec.server.metrics import ServerMetrics
 
 logger = logging.getLogger("twinserve.server")

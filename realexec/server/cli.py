@@ -38,7 +38,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from realexec.engine import LLMEngine, freeze_startup_heap, keep_freed_memory
+    from realexec.engine.llm_engine import LLMEngine, freeze_startup_heap, keep_freed_memory
     from realexec.server.app import create_app, default_served_model_name
     from realexec.server.lifecycle import DrainingServer
 

@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from realexec.server.errors import REJECTION_CODES
 
 if TYPE_CHECKING:
-    from realexec.engine import RequestOutput
+    from realexec.engine.llm_engine import RequestOutput
 
 # No `*_created` timestamp series next to every counter (vLLM does the same; it is a
 # process-wide switch of prometheus_client).

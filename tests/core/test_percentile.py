@@ -53,7 +53,7 @@ def test_q_outside_0_100_is_refused(q):
 
 def test_other_modules_use_the_core_percentile():
     """The five places that used to carry their own percentile now call this one."""
-    import core.cost_fit as cost_fit
+    import core.cost.fit as cost_fit
     import traces.stats as stats
 
     # nearest-rank gave 2.0 here (the 2nd of 4); interpolated: 2.5
@@ -62,6 +62,6 @@ def test_other_modules_use_the_core_percentile():
     assert stats.percentile is percentile
 
     import plots.figures as figures
-    import realexec.bench_chaos as bench_chaos
+    import realexec.bench.chaos as bench_chaos
 
     assert figures.percentile is percentile and bench_chaos.percentile is percentile

@@ -12,9 +12,9 @@ from hypothesis.stateful import initialize, invariant, rule
 from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler, \
     SchedulerConfig
 from core.config import pipeline_stage_layers
-from core.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
+from core.kv.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from policies import PolicySet
-from tests.core.test_scheduler import EOS, MAX_MODEL_LEN, SETUP, SchedulerMachine
+from tests.core.sched.test_scheduler import EOS, MAX_MODEL_LEN, SETUP, SchedulerMachine
 from tests.core.toy_executor import VOCAB, AsyncToyExecutor, ToyExecutor, reference_outputs
 
 
@@ -185,7 +185,7 @@ def test_threaded_executor_gives_the_same_tokens():
 
 
 def test_no_event_skipping_while_batches_fly():
-    from core.event_skipping import steady_decode_horizon
+    from core.sched.event_skipping import steady_decode_horizon
     engine, sched, ex = make(max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(2):
         add(engine, f"r{i}", [i + 1] * 3, max_tokens=20)

@@ -13,7 +13,7 @@ import pytest
 from policies import REGISTRY
 from sim import SimConfig, SimEngine, resolve, simulate
 from sim.cli import main as cli_main
-from sim.compare import parse_variant, run_grid, sharing_rows, sustainable_rate
+from sim.explore.compare import parse_variant, run_grid, sharing_rows, sustainable_rate
 from sim.memory import CATEGORIES
 from sim.workloads import SYSTEM_PROMPT_BASE, ConversationTrace, apply_workload
 from traces import load_trace, retime

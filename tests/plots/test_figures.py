@@ -8,7 +8,7 @@ from matplotlib.colors import to_hex
 
 from plots import figures
 from sim import SimConfig
-from sim.compare import plot_comparison
+from sim.explore.compare import plot_comparison
 
 OKABE_ITO = {c.lower() for c in figures.OKABE_ITO.values()}
 GREY = to_hex("grey")

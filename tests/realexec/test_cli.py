@@ -50,7 +50,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """A tiny random Llama with SmolLM2's tokenizer, 4096 positions (max_model_len 2048 on CPU)."""
     from transformers import AutoTokenizer
 
-    from realexec.bench_throughput import model_dir
+    from realexec.bench.throughput import model_dir
 
     path = tmp_path_factory.mktemp("models") / "tiny-cli"
     save_tiny_llama(path, tokenizer=AutoTokenizer.from_pretrained(model_dir(None)), max_position_embeddings=4096,
@@ -139,7 +139,7 @@ def test_engine_args_reject_bad_dtype_and_device_before_loading():
 def test_resolve_dtype_names_the_choices():
     import torch
 
-    from realexec.loader import resolve_dtype
+    from realexec.models.loader import resolve_dtype
 
     with pytest.raises(ValueError, match="dtype must be auto or one of float32"):
         resolve_dtype("float64", torch.device("cpu"), None)
@@ -238,7 +238,7 @@ def test_frozen_startup_heap_leaves_no_nanobind_leak_report():
     ~30 'nanobind: leaked ...' lines after every clean `serve`/`profile` exit."""
     pytest.importorskip("triton")
     code = ("import triton, triton._C.libtriton\n"
-            "from realexec.engine import freeze_startup_heap\n"
+            "from realexec.engine.llm_engine import freeze_startup_heap\n"
             "assert freeze_startup_heap() > 0\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
                        timeout=300)
@@ -275,12 +275,12 @@ def test_local_ray_cluster_starts_without_the_token_auth_warning(tiny_dir):
 # ----------------------------------------------------------------------------- help texts
 
 def test_bench_kernels_and_bench_gpu_help():
-    from realexec.bench_graphs import add_kernels_arguments
+    from realexec.bench.graphs import add_kernels_arguments
 
     p = argparse.ArgumentParser()
     add_kernels_arguments(p)
     assert all(a.help for a in p._actions), [a.dest for a in p._actions if not a.help]
-    r = subprocess.run([sys.executable, "-m", "realexec.bench_gpu", "--help"], cwd=ROOT, env=env(),
+    r = subprocess.run([sys.executable, "-m", "realexec.bench.gpu", "--help"], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "==SUPPRESS==" not in r.stdout, r.stdout
     for flag in ("--steps STEPS", "--greedy-tokens GREEDY_TOKENS"):
@@ -319,7 +319,7 @@ def write_tiny_gguf(path: Path, seed: int = 0, arch: str = "llama") -> None:
 def test_gguf_copies_share_one_cache_entry_and_first_use_says_where(tmp_path, monkeypatch, capsys):
     """The conversion is keyed by the file's content, not its path or mtime: two clones'
     copies of one GGUF share one converted directory (was: one 538 MB copy each)."""
-    from realexec import loader
+    from realexec.models import loader
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TWINSERVE_CACHE_DIR", str(cache))       # honoured: no cache_dir argument below
@@ -353,7 +353,7 @@ def test_gguf_copies_share_one_cache_entry_and_first_use_says_where(tmp_path, mo
 
 
 def test_unsupported_gguf_is_a_value_error_and_leaves_nothing_in_the_cache(tmp_path, capsys):
-    from realexec import loader
+    from realexec.models import loader
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, arch="gpt2")

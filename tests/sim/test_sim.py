@@ -15,10 +15,10 @@ import pytest
 from core import SchedulerOutput
 from sim import SimConfig, SimEngine, SimExecutor, build_summary, resolve, simulate
 from sim.cli import main as cli_main
-from sim.cost_model import BatchShape, RooflineCostModel, kv_block_bytes
+from core.cost.model import BatchShape, RooflineCostModel, kv_block_bytes
 from sim.executor import SIM_EOS_TOKEN_ID
 from sim.results import REQUEST_COLUMNS
-from sim.specs import get_hardware, get_model
+from core.cost.specs import get_hardware, get_model
 from traces import load_trace, retime
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -62,7 +62,7 @@ def test_rejected_requests_carry_the_schedulers_reason_to_csv_summary_and_printo
     (SimConfig(num_gpu_blocks=10, watermark=0.5), 100, 8, "prompt_exceeds_cache", "more KV cache"),
 ])
 def test_every_kind_of_rejection_is_counted_and_gets_its_advice(config, prompt, output, kind, advice):
-    """Each of core.scheduler's reasons maps to its kind (a changed message there shows up
+    """Each of core.sched.scheduler's reasons maps to its kind (a changed message there shows up
     here as an unknown kind) and the printed summary says what to change."""
     result = simulate(config, Trace([TraceRequest("r0", 0.0, prompt, output),
                                      TraceRequest("r1", 0.1, 20, 4)], "two requests"))
@@ -114,7 +114,7 @@ def test_fleet_header_counts_every_gpu(tmp_path, capsys):
 def test_the_disaggregated_progress_bar_counts_each_request_once(monkeypatch):
     import tqdm
 
-    from sim.disagg import DisaggConfig, DisaggFleet
+    from sim.cluster.disagg import DisaggConfig, DisaggFleet
     from traces import load_trace, retime
     bars = []
 
@@ -202,7 +202,7 @@ def test_sim_run_never_overwrites_an_earlier_run_silently(tmp_path, monkeypatch,
 
 
 def test_outputs_default_under_results(tmp_path):
-    from realexec.profile import add_arguments
+    from realexec.twin.profile import add_arguments
     from sim.cli import build_parser
     import argparse
     p = argparse.ArgumentParser()
@@ -229,7 +229,7 @@ def test_plot_writes_the_runs_figures_into_its_directory(fleet, tmp_path, capsys
 
 
 def test_the_simulator_does_not_import_plots():
-    code = ("import sys, sim.cli, sim.run, sim.engine, sim.fleet, sim.disagg, sim.results; "
+    code = ("import sys, sim.cli, sim.run, sim.engine, sim.cluster.fleet, sim.cluster.disagg, sim.results; "
             "sys.exit(any(m == 'plots' or m.startswith(('plots.', 'matplotlib')) for m in sys.modules))")
     assert subprocess.run([PY, "-c", code], cwd=ROOT).returncode == 0
 
@@ -255,8 +255,8 @@ MEASURED = {"num_gpu_blocks": 200, "block_size": 8, "max_model_len": 1024, "max_
 
 
 def _cost_model(tmp_path: Path, engine: dict | None) -> Path:
-    from core.cost_fit import fit_step_cost
-    from tests.sim.test_calibration import TRUE_EXECUTE, TRUE_OVERHEAD, synthetic_samples
+    from core.cost.fit import fit_step_cost
+    from tests.sim.twin.test_calibration import TRUE_EXECUTE, TRUE_OVERHEAD, synthetic_samples
     model = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
     if engine is not None:
         model["engine"] = engine
@@ -308,7 +308,7 @@ def test_a_malformed_engine_section_is_one_error_line(tmp_path, capsys):
 def test_a_rejection_on_the_decode_side_keeps_its_reason():
     """Disaggregated: the decode replica gets the prompt plus the first token, so a prompt
     one token under max_model_len passes the prefill side and is rejected on the decode side."""
-    from sim.disagg import DisaggConfig, DisaggFleet
+    from sim.cluster.disagg import DisaggConfig, DisaggFleet
     config = SimConfig(model="Llama-3-8B", hardware="H100", num_gpu_blocks=300, max_model_len=512)
     trace = Trace([TraceRequest("edge", 0.0, 511, 8), TraceRequest("fine", 0.1, 100, 8)], "two requests")
     edge, fine = DisaggFleet(DisaggConfig(config, 1, 1), trace).run().records
@@ -321,7 +321,7 @@ def test_profile_writes_the_engine_serve_runs_and_sim_run_simulates_it(tmp_path)
     same flags (serve's chunk, not the profile grid's), and `sim run --cost-model` uses it."""
     from transformers import AutoTokenizer
 
-    from realexec.bench_throughput import model_dir
+    from realexec.bench.throughput import model_dir
     from tests.tiny_models import save_tiny_llama
     save_tiny_llama(tmp_path / "tiny", tokenizer=AutoTokenizer.from_pretrained(model_dir(None)),
                     max_position_embeddings=1024, tie_word_embeddings=True)

@@ -62,7 +62,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """A tiny random Llama with SmolLM2's tokenizer (vocab 49152, chat template)."""
     from transformers import AutoTokenizer
 
-    from realexec.bench_throughput import model_dir
+    from realexec.bench.throughput import model_dir
 
     path = tmp_path_factory.mktemp("models") / TINY
     save_tiny_llama(path, tokenizer=AutoTokenizer.from_pretrained(model_dir(None)), max_position_embeddings=4096,
@@ -71,7 +71,7 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def tiny_engine(path: str, **kwargs):
-    from realexec.engine import LLMEngine
+    from realexec.engine.llm_engine import LLMEngine
 
     kwargs.setdefault("block_size", 16)
     kwargs.setdefault("num_gpu_blocks", 1024)
@@ -543,7 +543,7 @@ def test_queue_limit_answers_503(tiny_dir):
 
 def test_bench_serve_against_server(url, tmp_path, capsys):
 
-    from realexec import bench_serve
+    from realexec.bench import serve as bench_serve
     from realexec.cli import build_parser
 
     out = tmp_path / "bench.json"
@@ -551,7 +551,7 @@ def test_bench_serve_against_server(url, tmp_path, capsys):
                               "--num-requests", "8", "--rate", "20", "--max-tokens-cap", "6", "--seed", "1",
                               "--goodput", "ttft:60000", "e2el:60000", "--save-result", str(out)]
     args = build_parser(argv).parse_args(argv)
-    assert args._run == "realexec.bench_serve:run"
+    assert args._run == "realexec.bench.serve:run"
     assert bench_serve.run(args) == 0
     assert "Serving Benchmark Result" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -577,7 +577,7 @@ def test_bench_serve_progress_bar_counts_requests(url, capsys):
     import asyncio
     import re
 
-    from realexec import bench_serve
+    from realexec.bench import serve as bench_serve
 
     args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--url", url, "--trace", str(ROOT / "traces/sharegpt.json"), "--num-requests", "4", "--rate", "inf",
@@ -592,7 +592,7 @@ def test_bench_serve_progress_bar_counts_requests(url, capsys):
 def test_bench_serve_chat_endpoint_and_bad_args(url, tmp_path):
     import argparse
 
-    from realexec import bench_serve
+    from realexec.bench import serve as bench_serve
 
     parser = bench_serve.add_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--url", url, "--trace", str(ROOT / "traces/sharegpt.json"), "--num-requests", "3",
@@ -650,7 +650,7 @@ def test_serve_parser():
 # ----------------------------------------------------------------------------- the real model
 
 def test_smollm2_chat_answers_paris():
-    from realexec.engine import LLMEngine
+    from realexec.engine.llm_engine import LLMEngine
     from realexec.server.app import create_app
 
     app = create_app(LLMEngine(EngineArgs(block_size=16, kv_cache_memory=0.25, swap_space=0.01)))

@@ -424,7 +424,7 @@ def test_stalled_upload_does_not_hold_the_drain(tiny_dir):
 def test_serve_exits_nonzero_when_kv_blocks_leak(tiny_dir, monkeypatch, capsys):
     """`serve` checks the KV cache at exit: with every request ended, a block still in use
     is a leak, reported with its count and a non-zero exit code (not a quiet 0)."""
-    import realexec.engine
+    import realexec.engine.llm_engine
     from core import SamplingParams
     from realexec.cli import build_parser
     from realexec.server import cli, lifecycle
@@ -436,8 +436,8 @@ def test_serve_exits_nonzero_when_kv_blocks_leak(tiny_dir, monkeypatch, capsys):
         leaky_run.used = engine.scheduler.kv.stats().num_used_gpu_blocks
 
     monkeypatch.setattr(lifecycle.DrainingServer, "run", leaky_run)
-    monkeypatch.setattr(realexec.engine, "freeze_startup_heap", lambda: 0)   # no gc.freeze of pytest's heap
-    monkeypatch.setattr(realexec.engine, "keep_freed_memory", lambda: False)
+    monkeypatch.setattr(realexec.engine.llm_engine, "freeze_startup_heap", lambda: 0)   # no gc.freeze of pytest's heap
+    monkeypatch.setattr(realexec.engine.llm_engine, "keep_freed_memory", lambda: False)
     argv = ["serve", "--model", tiny_dir, "--block-size", "16", "--num-gpu-blocks", "64", "--swap-space", "0.01",
             "--port", "0"]
     assert cli.run_serve(build_parser(argv).parse_args(argv)) == 1
@@ -451,7 +451,7 @@ def test_serve_exits_nonzero_when_kv_blocks_leak(tiny_dir, monkeypatch, capsys):
 def test_bench_chaos_smoke(tiny_dir, tmp_path):
     import argparse
 
-    from realexec import bench_chaos
+    from realexec.bench import chaos as bench_chaos
 
     out = tmp_path / "chaos.json"
     args = bench_chaos.add_arguments(argparse.ArgumentParser()).parse_args([

@@ -1,0 +1,110 @@
+"""The step log: what the engine decided at each step, as JSON lines.
+
+Both backends reduce a `SchedulerOutput` to the same plain `decision` (here), so a
+real run's log can be replayed through the simulator's copy of the core and compared
+step by step (`python -m sim replay`). Records, one JSON object per line, `kind` first:
+
+  {"kind": "config", ...}       the scheduler and cache knobs the engine ran with
+  {"kind": "arrival", "req_id", "step", "t", "t_arrival", "prompt_token_ids", "max_tokens", ...}
+                                a request entered the engine (at `t`) before executed step
+                                `step`; it reached the server at `t_arrival` (<= t: a server
+                                hands requests over between steps)
+  {"kind": "step", "step", "t_start", "t_end", "step_s", "execute_s", "cpu_s", "runq_s", ...,
+   "decision": {...}}           one executed step (empty steps run nothing and are left out);
+                                wall seconds, and the stepping thread's CPU and run-queue
+                                seconds (realexec.twin.step_recorder)
+  {"kind": "finish", "req_id", "num_output_tokens", "status", "first_text_token"}
+                                first_text_token: output tokens when its text first showed
+                                (a streaming client's first chunk); absent/None: unknown
+
+Times are seconds since the log started (monotonic clock).
+"""
+from __future__ import annotations
+
+import json
+from typing import IO, Iterator
+
+LOG_FORMAT = "twinserve-step-log"
+
+
+def step_decision(out, kv) -> dict:
+    """The scheduling decision of one step: per scheduled slice [request id, start,
+    tokens, samples, blocks in its table], the requests preempted, block moves, and the
+    GPU blocks in use once the step was scheduled."""
+    return {
+        "batch": [[s.seq.request.request_id, s.start, s.num_tokens, s.num_samples, len(s.block_table)]
+                  for s in out.scheduled],
+        "preempted": [r.request_id for r in out.preempted],
+        "swap_out": len(out.blocks_to_swap_out),
+        "swap_in": len(out.blocks_to_swap_in),
+        "copy": len(out.blocks_to_copy),
+        "used_gpu_blocks": kv.stats().num_used_gpu_blocks,
+    }
+
+
+def config_record(scheduler, policy_names: dict[str, str]) -> dict:
+    """What a replay needs to rebuild the same scheduler (policies by registry name)."""
+    sc, cc = scheduler.config, scheduler.cache_config
+    return {"kind": "config", "format": LOG_FORMAT,
+            "scheduler": {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+                          "max_model_len": sc.max_model_len, "enable_chunked_prefill": sc.enable_chunked_prefill},
+            "cache": {"block_size": cc.block_size, "num_gpu_blocks": cc.num_gpu_blocks,
+                      "num_cpu_blocks": cc.num_cpu_blocks, "enable_prefix_caching": cc.enable_prefix_caching,
+                      "watermark": cc.watermark},
+            "policies": dict(policy_names)}
+
+
+def write_record(f: IO[str], record: dict) -> None:
+    f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def read_log(path: str) -> Iterator[dict]:
+    """The records of a step log; ValueError naming the line when one is not JSON."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or "kind" not in rec:
+                raise ValueError(f"{path}:{lineno}: a step-log record is an object with a 'kind'")
+            yield rec
+
+
+def load_log(path: str) -> tuple[dict, list[dict], list[dict], dict[str, dict]]:
+    """(config, arrivals, steps, finishes by request id) of a step log; ValueError when it
+    has no config record of this format."""
+    config, arrivals, steps, finishes = None, [], [], {}
+    for rec in read_log(path):
+        kind = rec["kind"]
+        if kind == "config":
+            config = rec
+        elif kind == "arrival":
+            arrivals.append(rec)
+        elif kind == "step":
+            steps.append(rec)
+        elif kind == "finish":
+            finishes[rec["req_id"]] = rec
+    if config is None or config.get("format") != LOG_FORMAT:
+        raise ValueError(f"{path}: not a {LOG_FORMAT} file (no config record)")
+    return config, arrivals, steps, finishes
+
+
+def sample_times(steps: list[dict]) -> dict[str, list[float]]:
+    """Per request, the end time of the step that sampled each of its output tokens (one
+    entry per token: a step's slice samples `samples` tokens)."""
+    times: dict[str, list[float]] = {}
+    for s in steps:
+        for rid, _start, _n, samples, _blocks in s["decision"]["batch"]:
+            if samples:
+                times.setdefault(rid, []).extend([s["t_end"]] * samples)
+    return times
+
+
+def first_visible_index(finish: dict | None) -> int:
+    """0-based index of the output token a streaming client sees first (the first with
+    text); 0 when the log does not say."""
+    k = (finish or {}).get("first_text_token")
+    return k - 1 if isinstance(k, int) and k >= 1 else 0

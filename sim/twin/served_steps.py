@@ -1,0 +1,41 @@
+"""A served run's logged steps against a cost model: the rows a served calibration fits
+(`sim.twin.calibrate`) and how fast a whole run went against its price (`sim.twin.validate`,
+`sim.twin.tables`). Reads step logs; serves and simulates nothing."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from core.cost.fit import ServedStep, StepCostEvaluator, phase_of, served_factor, shape_of
+from core.cost.step_log import load_log
+
+
+def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> list[ServedStep]:
+    """(phase, seqs, tokens, grid model's prediction, logged seconds) per logged step: CPU
+    seconds of the stepping thread for a CPU-basis profile, else wall seconds."""
+    key = "cpu_s" if basis == "cpu" else "step_s"
+    rows = []
+    for s in steps:
+        batch = s["decision"]["batch"]
+        if not batch:
+            continue
+        if key not in s:
+            raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
+        seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
+        predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
+        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, s[key]))
+    return rows
+
+
+def served_ratio(model: dict, log: Path) -> tuple[float, float]:
+    """(logged over grid-predicted seconds, the calibrated model's over the grid's) summed
+    over a run's steps: how much slower than the profile the run was, and how much slower
+    the calibrated model prices exactly those steps. Their quotient is the run's speed
+    against the calibrated model: its host state (1: the steps cost what they are priced)."""
+    grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
+    rows = step_rows(load_log(str(log))[2], grid, model.get("profile", {}).get("time_basis", "wall"))
+    factors = model.get("served", {}).get("factors", {})
+    g = sum(r.predicted for r in rows)
+    if not g:
+        raise ValueError(f"{log}: no executed step to price")
+    return (sum(r.measured for r in rows) / g,
+            sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in rows) / g)
