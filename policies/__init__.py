@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from core.config import CacheConfig
-from core.kv_interface import KVManager
-from core.policy_api import Evictor, PreemptionModePolicy, QueuePolicy, VictimPolicy
+from core.kv.kv_interface import KVManager
+from core.sched.policy_api import Evictor, PreemptionModePolicy, QueuePolicy, VictimPolicy
 from policies.eviction import FIFOEvictor, LFUEvictor, LRUEvictor
 from policies.preemption import (AutoMode, LeastComputedVictim, LowestPriorityVictim, NewestVictim,
                                  RecomputeMode, SwapMode)
@@ -26,7 +26,7 @@ REGISTRY: dict[str, dict[str, Callable[[], object]]] = {
                "least-computed": LeastComputedVictim},
     "eviction": {"lru": LRUEvictor, "lfu": LFUEvictor, "fifo": FIFOEvictor},
     "allocation": ALLOCATIONS,
-    "router": ROUTERS,                  # fleets (sim.fleet): which replica serves a request
+    "router": ROUTERS,                  # fleets (sim.cluster.fleet): which replica serves a request
 }
 
 

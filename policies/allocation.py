@@ -1,5 +1,5 @@
 """KV allocation: paged (on demand, block by block) or a contiguous-reservation baseline.
-Each allocation policy builds the scheduler's KV manager (`core.kv_interface.KVManager`).
+Each allocation policy builds the scheduler's KV manager (`core.kv.kv_interface.KVManager`).
 
 The baselines are the vLLM paper's stand-ins for pre-paging systems (Orca): each
 sequence reserves one contiguous region at admission. They differ in how much they
@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Callable
 
 from core.config import CacheConfig
-from core.contiguous import ContiguousKVCacheManager, ReservationRule
-from core.kv_cache_manager import KVCacheManager
-from core.policy_api import Evictor
-from core.request import Request
+from core.kv.contiguous import ContiguousKVCacheManager, ReservationRule
+from core.kv.kv_cache_manager import KVCacheManager
+from core.sched.policy_api import Evictor
+from core.sched.request import Request
 
 
 def _total(request: Request, max_model_len: int) -> int:

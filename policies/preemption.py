@@ -1,7 +1,7 @@
 """What to do when the KV pool runs out: preemption mode and victim choice."""
 from __future__ import annotations
 
-from core.request import Request
+from core.sched.request import Request
 
 
 class RecomputeMode:

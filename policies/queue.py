@@ -6,7 +6,7 @@ import itertools
 from collections import deque
 from typing import Callable, Iterator
 
-from core.request import Request
+from core.sched.request import Request
 
 
 class FCFSQueue:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from core.request import Request
+from core.sched.request import Request
 
 
 class ReplicaView(Protocol):
