@@ -51,3 +51,14 @@ class LeastComputedVictim:
 
     def select(self, candidates: list[Request]) -> Request:
         return min(candidates, key=lambda r: (sum(s.num_computed_tokens for s in r.seqs), -r.arrival_index))
+
+
+class RunningTailVictim:
+    """The last request of the running list (vLLM v1's FCFS rule: `running.pop()`). The
+    list is in admission order, so a preempted request readmitted later is the tail even
+    when it arrived first (unlike "newest", which goes by arrival)."""
+    name = "tail"
+
+    def select(self, candidates: list[Request]) -> Request:
+        # candidates is a suffix of the running list (from the request being scheduled on)
+        return candidates[-1]

@@ -63,6 +63,9 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute", f"preemption mode: {_names('preemption')}")
     victim_policy: str = _arg("newest", f"preemption victim: {_names('victim')}")
     eviction_policy: str = _arg("lru", f"cached-block eviction: {_names('eviction')}")
+    scheduler: str = _arg("twinserve", "scheduling rules: twinserve | vllm-v1 (vLLM v1's decisions: victim 'tail' "
+                                       "for fcfs, full-sequence admission check; to match vLLM on CPU also pass "
+                                       "--enable-prefix-caching --watermark 0 --block-size 128)")
     prefix_caching_hash_algo: str = _arg(
         "sha256", "prefix-cache block key: sha256 (collision-resistant: one tenant's prompt cannot be made to "
                   "hit another's cached KV) | xxhash (XXH3-128: faster, not cryptographic) | builtin "
@@ -98,6 +101,22 @@ class EngineArgs:
               "(python -m sim replay LOG checks the simulator's core decides the same)")
     worker_timeout: float = _arg(
         120.0, "mp/ray: seconds a step or RPC may wait on a worker before it is declared hung")
+    simulate: str | None = _arg(
+        None, "serve a simulated engine: load no weights, take each step for as long as this cost model "
+              "prices it (a JSON file from `python -m realexec profile` / `python -m sim calibrate`, or "
+              "'roofline' with --sim-model and --sim-hardware) and answer with seeded tokens; the scheduler, "
+              "KV accounting, limits and metrics are the real ones", metavar="COST_MODEL")
+    sim_model: str | None = _arg(
+        None, "--simulate roofline: the model spec to price (e.g. Llama-3-8B, Llama-2-70B, SmolLM2-135M; "
+              "default SmolLM2-135M). Text comes from --model's tokenizer: the embedded SmolLM2 one is fine "
+              "for any spec'd model")
+    sim_hardware: str | None = _arg(
+        None, "--simulate roofline: the hardware to price it on (e.g. H100, H200, A100-80G; default H100); "
+              "--tensor-parallel-size is the priced tp, KV blocks come from its memory "
+              "(--gpu-memory-utilization)")
+    simulate_output: str = _arg(
+        "random", "--simulate: the tokens answered: random (seeded draws from the tokenizer's vocabulary, "
+                  "no special tokens) | echo (the prompt's tokens, repeated)", choices=("random", "echo"))
 
     def validate(self) -> None:
         def positive(name):
@@ -114,8 +133,10 @@ class EngineArgs:
             raise ValueError(f"swap-space must be >= 0 GiB, got {self.swap_space}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        backend = self.executor_backend()
-        if backend == "uni" and self.world_size > 1:
+        if self.simulate is not None or self.sim_model is not None or self.sim_hardware is not None:
+            from realexec.executor.simulated import check_simulate_args
+            check_simulate_args(self)      # a simulated engine runs no workers: no backend to check
+        elif self.executor_backend() == "uni" and self.world_size > 1:
             raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
                              f"{self.tensor_parallel_size} x pipeline-parallel-size "
                              f"{self.pipeline_parallel_size} needs mp or ray")
@@ -134,6 +155,10 @@ class EngineArgs:
             raise ValueError(f"attention-backend must be cpu, torch or triton, got {self.attention_backend!r}")
         from policies import PolicySet
         PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
+        if self.scheduler.lower() == "vllm-v1":
+            from policies.scheduling import check_vllm_v1
+            check_vllm_v1(chunked_prefill=self.enable_chunked_prefill, preemption=self.preemption_mode,
+                          pipeline_parallel_size=self.pipeline_parallel_size)
         block_hasher(self.prefix_caching_hash_algo)
 
     @property
@@ -149,7 +174,7 @@ class EngineArgs:
 
     def policy_names(self) -> dict[str, str]:
         return {"queue": self.queue_policy, "preemption": self.preemption_mode,
-                "victim": self.victim_policy, "eviction": self.eviction_policy}
+                "victim": self.victim_policy, "eviction": self.eviction_policy, "scheduler": self.scheduler}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -123,6 +123,8 @@ class SimConfig:
     enable_prefix_caching: bool = _knob(False, "reuse KV blocks of identical prompt prefixes")
     watermark: float = _knob(0.01, "fraction of KV blocks new admissions must leave free", type=unit_interval,
                              metavar="F")
+    long_prefill_token_threshold: int = _knob(0, "most prompt tokens one request computes in a step (0: no cap)",
+                                              type=nonneg_int, metavar="N")
     queue: str = _knob("fcfs", f"waiting-queue order: {_names('queue')}", group="policies", flag="--queue-policy",
                        old="--queue", choices=list(REGISTRY["queue"]), metavar="NAME")
     preemption: str = _knob("recompute", f"preemption mode: {_names('preemption')}", group="policies",
@@ -133,6 +135,11 @@ class SimConfig:
     eviction: str = _knob("lru", f"cached-block eviction: {_names('eviction')}", group="policies",
                           flag="--eviction-policy", old="--eviction", choices=list(REGISTRY["eviction"]),
                           metavar="NAME")
+    scheduler: str = _knob("twinserve", "engine whose scheduling rules the core follows: twinserve, or vllm-v1 "
+                                        "(vLLM v1's decisions step for step; flags not given take vLLM's defaults: "
+                                        "prefix caching on, watermark 0, recompute, 128-token blocks on cpu-* "
+                                        "hardware, victim 'tail' for fcfs)", group="policies",
+                           choices=list(REGISTRY["scheduler"]), metavar="NAME")
     allocation: str = _knob("paged", f"KV allocation: {_names('allocation')}: paged blocks, or an Orca-style "
                                      "contiguous region per sequence reserved for max_model_len / the next power "
                                      "of two of / exactly its final length (no prefix caching, no swapping: swap "
@@ -233,13 +240,29 @@ def measured_engine(model: dict, where: str) -> dict:
     return out
 
 
+def with_scheduler_defaults(config: SimConfig, explicit: set[str] | None) -> SimConfig:
+    """`config` with the defaults of the engine --scheduler names (policies.scheduling) for
+    the fields the command line did not give (`explicit`; None: those equal to SimConfig's
+    defaults count as not given)."""
+    from policies.scheduling import ENGINE_DEFAULTS, VLLM_V1_CPU_BLOCK_SIZE
+    defaults = dict(ENGINE_DEFAULTS.get(config.scheduler.lower(), {}))
+    if not defaults:
+        return config
+    if config.scheduler.lower() == "vllm-v1" and config.hardware.lower().startswith("cpu"):
+        defaults["block_size"] = VLLM_V1_CPU_BLOCK_SIZE
+    if explicit is None:
+        explicit = {f.name for f in dataclasses.fields(SimConfig) if getattr(config, f.name) != f.default}
+    return dataclasses.replace(config, **{k: v for k, v in defaults.items() if k not in explicit})
+
+
 def with_measured_engine(config: SimConfig, explicit: set[str] | None, warn=None) -> SimConfig:
-    """`config` simulating the engine its --cost-model was measured on: each field of the
+    """(First the --scheduler engine's defaults: `with_scheduler_defaults`.) `config` simulating the engine its --cost-model was measured on: each field of the
     file's `engine` section replaces the default of a flag the user did not give. A given
     flag that differs from the measured engine is kept and named in one warning line.
     `explicit`: the SimConfig fields given on the command line (None: those that differ
     from SimConfig's defaults). --gpu-memory-utilization given sizes the KV cache from
     memory instead of the measured block count."""
+    config = with_scheduler_defaults(config, explicit)
     if config.cost_model is None:
         return config
     from core.cost.fitted import load_cost_model_file

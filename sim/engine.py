@@ -56,8 +56,9 @@ from sim.config import SimConfig
 from core.cost.model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from core.cost.fitted import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
-from sim.memory import MemoryAccumulator, SpanModel, blocks_at_finish, growth_from_offsets, sample as memory_sample
+from sim.memory import MemoryAccumulator, MemorySample, SpanModel, blocks_at_finish, growth_from_offsets, sample as memory_sample
 from core.cost.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
+from sim.timeseries import COLUMNS as TIMESERIES_COLUMNS, Timeseries, TimeseriesRow
 from sim.cluster.pipeline_stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacity_blocks
 from traces import HashedBlockTokens, Trace
 
@@ -88,7 +89,7 @@ class ResolvedConfig:
     def policies(self) -> PolicySet:
         c = self.config
         return PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction,
-                                    allocation=c.allocation)
+                                    allocation=c.allocation, scheduler=c.scheduler)
 
     def echo(self) -> dict:
         """The configuration as it ran (for summary.json)."""
@@ -123,7 +124,11 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         raise ValueError(f"max-model-len must be >= 2, got {c.max_model_len}")
     model, hw = get_model(c.model), get_hardware(c.hardware)
     PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction,
-                         allocation=c.allocation)
+                         allocation=c.allocation, scheduler=c.scheduler)
+    if c.scheduler.lower() == "vllm-v1":
+        from policies.scheduling import check_vllm_v1
+        check_vllm_v1(chunked_prefill=c.enable_chunked_prefill, preemption=c.preemption, allocation=c.allocation,
+                      pipeline_parallel_size=c.pp)
     if c.allocation.lower() != "paged" and c.enable_prefix_caching:
         raise ValueError(f"allocation {c.allocation} has no prefix cache (a contiguous region per sequence, "
                          f"nothing shared): drop --enable-prefix-caching or use --allocation paged")
@@ -175,7 +180,7 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     num_cpu_blocks = int(c.swap_space_gib * GiB) // block_bytes
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=max_model_len, enable_chunked_prefill=c.enable_chunked_prefill,
-                            pipeline_parallel_size=c.pp)
+                            long_prefill_token_threshold=c.long_prefill_token_threshold, pipeline_parallel_size=c.pp)
     cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         enable_prefix_caching=c.enable_prefix_caching, watermark=c.watermark)
     cache.validate()
@@ -199,16 +204,12 @@ class SimResult:
     num_swapped_blocks: int                # blocks copied out + in
     kv_stats: dict
     time_weighted: dict                    # kv_usage_mean/max, running/waiting/swapped means
-    timeseries: list[tuple] = field(repr=False, default_factory=list)
+    timeseries: list[TimeseriesRow] = field(repr=False, default_factory=list)
     memory_breakdown: dict = field(default_factory=dict)   # sim.memory: Figure 2 shares, slot-seconds
     kv_sharing: dict = field(default_factory=dict)         # sim.memory: physical vs logical blocks
     pipeline: dict = field(default_factory=dict)           # sim.cluster.pipeline_parallel: stages, busy fractions (P > 1)
 
-    # kv_usage: fraction of GPU blocks in use; the four breakdown columns: fraction of all
-    # KV slots (a span's or idle gap's time mean). Rows hold blocks/slots until written.
-    TIMESERIES_COLUMNS = ("time", "duration", "steps", "kv_usage", "running", "waiting", "swapped",
-                          "batch_size", "batch_tokens", "preempted",
-                          "token_states", "reserved", "internal_frag", "external_frag")
+    TIMESERIES_COLUMNS = TIMESERIES_COLUMNS             # sim.timeseries: the file's columns and units
 
 
 def _check_renewed(plan, fresh) -> None:
@@ -300,7 +301,7 @@ class SimEngine:
         self._w_running = self._w_waiting = self._w_swapped = 0.0
         self._max_used = 0
         self.memory = MemoryAccumulator(resolved.cache.num_gpu_blocks, resolved.cache.block_size)
-        self.timeseries: list[tuple] = []
+        self.timeseries = Timeseries(resolved.cache.num_gpu_blocks, resolved.cache.block_size)
         self.num_steps = 0
         self.num_normal_steps = 0
         self._steady = None            # the running set as a SteadyDecode plan (event skipping), or None
@@ -439,7 +440,7 @@ class SimEngine:
     def _w_used(self) -> float:
         """Block-seconds in use: the memory integral's physical blocks (sim.memory), which
         every step and gap adds as used * dt."""
-        return self.memory.w[5]
+        return self.memory.physical
 
     def _account(self, dt: float, used: int, running: int, waiting: int, swapped: int) -> None:
         """Time-weighted request counts (the caller adds the memory sample, used blocks included)."""
@@ -457,8 +458,7 @@ class SimEngine:
         self._account(dt, used, len(sched.running), len(sched.waiting), len(sched.swapped))
         mem = memory_sample(sched)
         self.memory.add(dt, mem)
-        self.timeseries.append((clock, dt, 0, used, len(sched.running), len(sched.waiting),
-                                len(sched.swapped), 0, 0, 0, *mem[:4]))
+        self.timeseries.idle(clock, dt, used, len(sched.running), len(sched.waiting), len(sched.swapped), mem)
         if self._next < len(self.arrivals) and self.arrivals[self._next] <= t:
             if self._released <= self._next:       # the arrival process has not reached it yet
                 self._wake = self.env.event()
@@ -517,8 +517,7 @@ class SimEngine:
             account(dt, used, running, waiting, swapped)
             mem = memory_sample(sched)                 # the state during the step
             mem_add(dt, mem)
-            timeseries.append((clock, dt, 1, used, running, waiting, swapped, num_seqs,
-                               num_tokens, len(out.preempted), *mem[:4]))
+            timeseries.step(clock, dt, used, running, waiting, swapped, num_seqs, num_tokens, len(out.preempted), mem)
             # No SimPy wait per step: nothing else runs while the engine is busy (arrivals
             # enter at step boundaries by the engine's own clock), so SimPy's clock only
             # catches up when the engine idles (`_idle_until`).
@@ -604,12 +603,12 @@ class SimEngine:
         tok0, res0, ext, free0, logical0, total = (span_model.tok, span_model.res, span_model.ext, span_model.free,
                                                    span_model.logical, span_model.total)
         res_step = num_seqs if span_model.reserves else 0
-        w = self.memory.w
-        mem_before = w[:4]
-        m0, m1, m2, m3, m4, m5, m6 = w
+        memory = self.memory
+        token_s, reserved_s, internal_s, external_s, free_s, physical_s, logical_s = memory.integrals()
+        in_use_before = (token_s, reserved_s, internal_s, external_s)
         running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
         w_run, w_wait, w_swap = self._w_running, self._w_waiting, self._w_swapped
-        used_before = m5                               # block-seconds in use (`_w_used`)
+        used_before = physical_s                       # block-seconds in use (`_w_used`)
         ends = array("d")               # each request's token_times extends by a memcpy
         append = ends.append
         i = 0
@@ -641,11 +640,11 @@ class SimEngine:
                     used_dt = used * dt
                     w_run += running * dt
                     tok += num_seqs
-                    m0 += tok * dt
-                    m2 += (total - tok - free) * dt
-                    m4 += free * dt
-                    m5 += used_dt
-                    m6 += used_g * dt
+                    token_s += tok * dt
+                    internal_s += (total - tok - free) * dt
+                    free_s += free * dt
+                    physical_s += used_dt
+                    logical_s += used_g * dt
                     t = t + dt
                     append(t)
                 i = len(ends)
@@ -663,13 +662,13 @@ class SimEngine:
                     tok += num_seqs
                     res -= res_step
                     free = free0 - bs * (used - used0)
-                    m0 += tok * dt
-                    m1 += res * dt
-                    m2 += (total - tok - res - ext - free) * dt
-                    m3 += ext * dt
-                    m4 += free * dt
-                    m5 += used_dt
-                    m6 += (used - g) * dt
+                    token_s += tok * dt
+                    reserved_s += res * dt
+                    internal_s += (total - tok - res - ext - free) * dt
+                    external_s += ext * dt
+                    free_s += free * dt
+                    physical_s += used_dt
+                    logical_s += (used - g) * dt
                     t = t + dt
                     append(t)
                     i += 1
@@ -680,8 +679,8 @@ class SimEngine:
                 continue
             # Step i - 1 finished sequences: close the phase (a row, as the span it was), and
             # go on without them (their blocks freed, their tokens gone from the pool).
-            self._span_row(phase_start, t, i - phase_i, m5 - used_before, running, waiting, swapped,
-                           num_seqs, (m0, m1, m2, m3), mem_before)
+            self._span_row(phase_start, t, i - phase_i, physical_s - used_before, running, waiting, swapped,
+                           num_seqs, (token_s, reserved_s, internal_s, external_s), in_use_before)
             if used > self._max_used:
                 self._max_used = used
             f = bounds.pop()
@@ -693,16 +692,16 @@ class SimEngine:
                 starts[j0] -= 1
             num_seqs -= len(leaving[f])
             running = num_seqs
-            phase_start, phase_i, used_before, mem_before = t, i, m5, [m0, m1, m2, m3]
+            phase_start, phase_i, used_before, in_use_before = t, i, physical_s, (token_s, reserved_s, internal_s, external_s)
             phase_end = bounds[-1] + 1 if bounds else horizon
             n_price = phase_end - i
             if limit != math.inf:
                 n_price = min(n_price, int((limit - t) / durations[-1]) + 2)
             durations = step_times(num_seqs, context_sum + i * num_seqs, n_price)
         k = i
-        w[:] = (m0, m1, m2, m3, m4, m5, m6)
-        self._span_row(phase_start, t, i - phase_i, m5 - used_before, running, waiting, swapped, num_seqs,
-                       (m0, m1, m2, m3), mem_before)
+        memory.set(MemorySample(token_s, reserved_s, internal_s, external_s, free_s, physical_s, logical_s))
+        self._span_row(phase_start, t, i - phase_i, physical_s - used_before, running, waiting, swapped, num_seqs,
+                       (token_s, reserved_s, internal_s, external_s), in_use_before)
         self._w_running, self._w_waiting, self._w_swapped = w_run, w_wait, w_swap
         if used > self._max_used:
             self._max_used = used
@@ -726,13 +725,11 @@ class SimEngine:
             self._steady = renew_steady_plan(sched, plan, True, past_finishes=self._past_finishes)
         return shrunk and k == horizon
 
-    def _span_row(self, start: float, end: float, steps: int, used_seconds: float, running: int, waiting: int,
-                  swapped: int, num_seqs: int, mem: tuple, mem_before) -> None:
+    def _span_row(self, start: float, end: float, steps: int, block_seconds: float, running: int, waiting: int,
+                  swapped: int, num_seqs: int, in_use: tuple, in_use_before: tuple) -> None:
         """The timeseries row of a span (or a phase of one): its time means."""
-        span = end - start
-        self.timeseries.append((start, span, steps, used_seconds / span, running, waiting, swapped, num_seqs,
-                                num_seqs, 0, (mem[0] - mem_before[0]) / span, (mem[1] - mem_before[1]) / span,
-                                (mem[2] - mem_before[2]) / span, (mem[3] - mem_before[3]) / span))
+        self.timeseries.span(start, end, steps, block_seconds, running, waiting, swapped, num_seqs, in_use,
+                             in_use_before)
 
     # -- run --------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -782,4 +779,4 @@ class SimEngine:
         breakdown, sharing = self.memory.summary(total)
         return SimResult(self.resolved, self.trace.source, records, requested_output_lens, total, self.num_steps,
                          self.num_normal_steps, sched.num_preemptions, sched.num_swaps, self.executor.swap_seconds,
-                         self.executor.num_swapped_blocks, kv, tw, self.timeseries, breakdown, sharing)
+                         self.executor.num_swapped_blocks, kv, tw, self.timeseries.rows, breakdown, sharing)

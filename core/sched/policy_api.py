@@ -58,6 +58,19 @@ class VictimPolicy(Protocol):
     def select(self, candidates: list["Request"]) -> "Request": ...
 
 
+class SchedulingRules(Protocol):
+    """Engine-wide scheduling rules that differ between the engines the core reproduces
+    (policies.scheduling: "twinserve", the default, and "vllm-v1"). Plain flags, read once
+    when the Scheduler is built."""
+    name: str
+    # The long-prefill threshold is lifted while only one request is running or waiting
+    # (nobody to starve); False: it always applies.
+    long_prefill_cap_needs_company: bool
+    # Admission needs free blocks for every known token of the request (beyond its prefix
+    # hits), not only for the first chunk: chunked prefill cannot over-admit and thrash.
+    admission_reserves_full_sequence: bool
+
+
 class AllocationPolicy(Protocol):
     """How KV memory is handed out: builds the scheduler's KV manager."""
     name: str
@@ -72,6 +85,7 @@ class PolicyBundle(Protocol):
     queue: QueuePolicy
     preemption: PreemptionModePolicy
     victim: VictimPolicy
+    # (optional) rules: SchedulingRules; a bundle without it schedules as "twinserve"
 
     def eviction(self) -> Evictor: ...
     def make_kv_manager(self, cache: "CacheConfig", max_model_len: int) -> "KVManager": ...

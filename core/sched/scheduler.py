@@ -91,6 +91,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_steps = 0
+        rules = getattr(policies, "rules", None)      # engine-wide rules (policy_api.SchedulingRules)
+        self._cap_needs_company = bool(rules is not None and rules.long_prefill_cap_needs_company)
+        self._reserve_full = bool(rules is not None and rules.admission_reserves_full_sequence)
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -326,7 +329,10 @@ class Scheduler:
     def _chunk(self, pending: int, budget: int) -> int:
         cfg = self.config
         n = min(pending, budget)
-        if pending > 1 and cfg.long_prefill_token_threshold:
+        if pending > 1 and cfg.long_prefill_token_threshold and not (
+                self._cap_needs_company and len(self.running) + len(self.waiting) <= 1):
+            # (running + waiting is the same all step: preemption and admission only move
+            # requests between the two; so this equals a count taken when the step starts)
             n = min(n, cfg.long_prefill_token_threshold)
         if n < pending and not cfg.enable_chunked_prefill:
             return 0
@@ -448,7 +454,13 @@ class Scheduler:
         # The watermark keeps room for running sequences to grow; an idle engine has none to
         # protect, and keeping it then could strand a request that fits the pool (liveness).
         idle = not self.running and not self.swapped
-        if plan and self.kv.can_admit([(seq, n, hits[seq.seq_id]) for seq, n in plan], keep_watermark=not idle):
+        if self._reserve_full:
+            # The check counts every known token past the prefix hits; the step still
+            # allocates only the planned chunk.
+            check = [(seq, len(seq.token_ids) - seq.num_computed_tokens, hits[seq.seq_id]) for seq, _ in plan]
+        else:
+            check = [(seq, n, hits[seq.seq_id]) for seq, n in plan]
+        if plan and self.kv.can_admit(check, keep_watermark=not idle):
             return plan, hits
         for seq in request.seqs:
             seq.num_computed_tokens = 0

@@ -77,11 +77,15 @@ def _parse(path: str) -> tuple[dict, list[dict], list[dict], dict[str, dict]]:
     return config, arrivals, steps, finishes
 
 
-def replay(path: str, cost_model=None) -> ReplayReport:
+def replay(path: str, cost_model=None, scheduler: str | None = None) -> ReplayReport:
+    """`scheduler`: the core's scheduling rules (policies.scheduling) instead of the log's."""
     config, arrivals, steps, finishes = _parse(path)
     sched_cfg = SchedulerConfig(**config["scheduler"])
     cache_cfg = CacheConfig(**config["cache"])
-    policies = PolicySet.from_names(**config["policies"])
+    policy_names = dict(config["policies"])
+    if scheduler is not None:
+        policy_names["scheduler"] = scheduler
+    policies = PolicySet.from_names(**policy_names)
     scheduler = Scheduler(sched_cfg, cache_cfg, policies)
     if cost_model is None:
         cost_model = RooflineCostModel(get_model("SmolLM2-135M"), get_hardware("cpu-2core"))
@@ -188,6 +192,8 @@ def add_parser(sub) -> None:
                    help="price steps with this `realexec profile` file (default: the roofline of --model on --hardware)")
     p.add_argument("--model", default="SmolLM2-135M", help="model spec for the roofline (default: %(default)s)")
     p.add_argument("--hardware", default="cpu-2core", help="hardware for the roofline (default: %(default)s)")
+    p.add_argument("--scheduler", default=None, metavar="NAME",
+                   help="scheduling rules of the core: twinserve | vllm-v1 (default: the log's, else twinserve)")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -197,7 +203,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         from core.cost.fitted import FittedCostModel
         cost_model = FittedCostModel.from_file(args.cost_model, roofline)
     try:
-        report = replay(args.log, cost_model)
+        report = replay(args.log, cost_model, scheduler=args.scheduler)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{args.log}: malformed step log ({type(e).__name__}: {e})") from None
     print(format_report(report))

@@ -234,7 +234,7 @@ def test_span_after_a_swap_in_that_could_not_compute_publishes_like_single_steps
 
 
 def test_every_scheduler_policy_kind_is_sampled():
-    assert set(SCHEDULER_KINDS) == {"queue", "preemption", "victim", "eviction", "allocation"}
+    assert set(SCHEDULER_KINDS) == {"queue", "preemption", "victim", "eviction", "allocation", "scheduler"}
 
 
 def test_lpm_with_prefix_caching_matches_single_steps():
