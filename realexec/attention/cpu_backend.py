@@ -32,19 +32,20 @@ from pathlib import Path
 
 import torch
 
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, check_layer_options
 from .torch_backend import TorchAttentionBackend
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
-ABI_VERSION = 1
+ABI_VERSION = 2
 # Query tokens per work item: rows = tile x GQA group; measured on SmolLM2 shapes (group 3).
 DEFAULT_TILE_ROWS = 48
 
 _ERRORS = {-1: "bad head counts, head size, block size or tile",
            -2: "a slot_mapping entry lies outside the KV cache",
            -3: "query_start_loc is not an increasing offset list within the batch",
-           -4: "a block table entry a sequence reads lies outside the KV cache (or the table is too narrow)"}
+           -4: "a block table entry a sequence reads lies outside the KV cache (or the table is too narrow)",
+           -5: "bad sliding window or soft cap"}
 _lock = threading.Lock()
 _lib = None
 
@@ -119,7 +120,7 @@ def load_library():
             fn = lib.twinserve_paged_attention_f32
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, p, i64, p, p, i64,
-                           i64, i64, i64, i64, i64, ctypes.c_float, i64, p]
+                           i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, i64, p]
             fn.restype = ctypes.c_int
             _lib = lib
         return _lib
@@ -155,10 +156,14 @@ class CpuAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
+                md: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
+        """The torch backend's contract, sliding window and logit soft cap included."""
+        check_layer_options(sliding_window, logits_soft_cap)
         if (k_cache is None or q.device.type != "cpu" or q.dtype != torch.float32
                 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
-            return self.reference.forward(q, k, v, k_cache, v_cache, md, scale)
+            return self.reference.forward(q, k, v, k_cache, v_cache, md, scale, sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         if k_cache.shape[3] != head_dim or k_cache.shape[1] != md.block_size or num_heads % num_kv_heads:
@@ -175,8 +180,8 @@ class CpuAttentionBackend:
         rc = self._fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens,
                       tables.data_ptr(), tables.stride(0), qsl.data_ptr(), lens.data_ptr(), lens.numel(),
-                      num_heads, num_kv_heads, head_dim, md.block_size, k_cache.shape[0], scale, tile,
-                      out.data_ptr())
+                      num_heads, num_kv_heads, head_dim, md.block_size, k_cache.shape[0], scale,
+                      sliding_window or 0, float(logits_soft_cap or 0.0), tile, out.data_ptr())
         if rc != 0:
             raise ValueError(f"CPU attention kernel: {_ERRORS.get(rc, f'code {rc}')} (q {tuple(q.shape)}, "
                              f"cache {tuple(k_cache.shape)}, {md.num_seqs} sequences)")

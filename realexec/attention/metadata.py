@@ -43,3 +43,16 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def check_layer_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """Validate a layer's attention options (what every backend's forward accepts):
+    sliding_window W: each query attends to the last W positions, itself included (keys
+    at positions p - W < j <= p; HF's `kv_idx > q_idx - sliding_window`, Mistral and
+    Gemma 2 alike); logits_soft_cap c: scaled scores s become c * tanh(s / c) before the
+    mask and softmax (Gemma 2). None turns either off."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if logits_soft_cap is not None and not (logits_soft_cap > 0 and logits_soft_cap != float("inf")):
+        raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")

@@ -13,6 +13,9 @@ Same contract as the torch reference backend:
 
 Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (slow: tests only).
 
+Per-layer options `sliding_window` and `logits_soft_cap` (see `check_layer_options`) run in
+both kernels: no configuration falls back to the torch backend.
+
 CUDA graphs: the decode path makes no host syncs and its grids depend only on
 (num_seqs, heads, num_kv_splits); num_kv_splits is chosen from the batch size (a graph
 bucket), the kv head count and the SM count, never from sequence lengths. Warm up once per
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from realexec.attention.metadata import AttentionMetadata
+from realexec.attention.metadata import AttentionMetadata, check_layer_options
 from realexec.kernels import decode_attention, default_num_kv_splits, prefill_attention, store_kvcache
 
 
@@ -48,17 +51,20 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, md: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]. Writes k/v into the cache first.
 
         With k_cache None (a profiling run before the cache exists) every sequence must be a
         whole prompt (context 0); it attends causally to its own new K/V only.
         """
+        check_layer_options(sliding_window, logits_soft_cap)
+        opts = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         out = torch.empty_like(q)
         num_seqs = md.seq_lens.shape[0]
         if k_cache is None:
             if q.shape[0] and num_seqs:
-                self._prompts_without_cache(q, k, v, md, scale, out)
+                self._prompts_without_cache(q, k, v, md, scale, out, opts)
             return out
         if k is not None and v is not None:
             store_kvcache(k, v, k_cache, v_cache, md.slot_mapping)
@@ -67,14 +73,14 @@ class TritonAttentionBackend:
         if md.is_decode_only:
             splits = self.num_kv_splits_for(num_seqs, k_cache.shape[2], q.device)
             decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                             scale, num_kv_splits=splits, out=out)
+                             scale, num_kv_splits=splits, out=out, **opts)
         else:
             prefill_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                              md.max_query_len, scale, out=out)
+                              md.max_query_len, scale, out=out, **opts)
         return out
 
     @staticmethod
-    def _prompts_without_cache(q, k, v, md, scale, out) -> None:
+    def _prompts_without_cache(q, k, v, md, scale, out, opts) -> None:
         """Whole prompts, no cache: view k/v [T, Hkv, D] as a cache of T one-token blocks
         ([T, 1, Hkv, D], no copy) whose block table for sequence b is its own rows
         query_start_loc[b] + j, and run the prefill kernel with context 0. Built on the
@@ -84,7 +90,7 @@ class TritonAttentionBackend:
         cols = torch.arange(max(md.max_query_len, 1), device=q.device, dtype=torch.int32)
         table = (qsl[:-1, None] + cols[None, :]).to(torch.int32)
         prefill_attention(q, k.unsqueeze(1), v.unsqueeze(1), table, query_lens, qsl,
-                          md.max_query_len, scale, out=out)
+                          md.max_query_len, scale, out=out, **opts)
 
     __call__ = forward
 

@@ -22,6 +22,14 @@ Online softmax in base 2: scores are multiplied by scale*log2(e) and exponentiat
 exp2; the running max starts at a large finite negative number (not -inf) so that a row
 whose every key is masked never computes (-inf) - (-inf) = NaN.
 
+Sliding window and soft cap
+--------------------------
+With `window` W > 0 only positions [seq_len - W, seq_len) are visited (and split); with a
+soft cap c the scaled scores s become c * tanh(s / c) before the mask (in base-2 units:
+s2 -> c2 * tanh(s2 / c2) with c2 = c * log2(e)). tanh is computed as 2 * sigmoid(2x) - 1
+(portable: the interpreter and every GPU). Both are runtime arguments (window 0 = none);
+the cap's code is compiled in only when HAS_SOFT_CAP, so uncapped models pay nothing.
+
 Split-KV
 --------
 A sequence's positions [0, seq_len) are cut into NUM_SPLITS contiguous chunks of
@@ -58,6 +66,22 @@ import triton.language as tl
 LOG2E = 1.4426950408889634  # 1 / ln(2)
 
 
+@triton.jit
+def soft_cap_tanh(s, cap):
+    """cap * tanh(s / cap), as 2 * sigmoid(2x) - 1 (no tanh in the interpreter's tl.math)."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+def window_arg(sliding_window: int | None) -> int:
+    """The kernels' window argument: 0 for none."""
+    return int(sliding_window or 0)
+
+
+def soft_cap_arg(logits_soft_cap: float | None) -> float:
+    """The kernels' soft-cap argument in base-2 units (scores are scaled by log2(e))."""
+    return float(logits_soft_cap) * LOG2E if logits_soft_cap else 0.0
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs must not silently drop to TF32 on the GPU; fp16/bf16 use tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -76,6 +100,8 @@ def _decode_stage1_kernel(
     mid_o_ptr,                  # [B, Hq, S, D]  fp32 (written when NUM_SPLITS > 1)
     mid_lse_ptr,                # [B, Hq, S]     fp32
     sm_scale_log2,              # softmax scale * log2(e)
+    window,                     # sliding window (0: none)
+    soft_cap_log2,              # soft cap * log2(e) (used when HAS_SOFT_CAP)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -91,6 +117,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,      # key positions per tile
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,9 +127,11 @@ def _decode_stage1_kernel(
     q_row = tl.load(query_start_loc_ptr + seq)
     has_query = tl.load(query_start_loc_ptr + seq + 1) > q_row
 
+    # The visible keys [kv_lo, seq_len): all, or the last `window` ones.
+    kv_lo = tl.maximum(seq_len - tl.where(window > 0, window, seq_len), 0)
     # This split's chunk of key positions, [kv_start, kv_end); empty when past seq_len.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = kv_lo + split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -136,6 +165,8 @@ def _decode_stage1_kernel(
                     + kv_head * stride_kh + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)                                    # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
+        if HAS_SOFT_CAP:
+            s = soft_cap_tanh(s, soft_cap_log2)
         s = tl.where(n_mask[None, :], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -222,6 +253,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Paged decode attention for a batch of B sequences with one query token each.
 
@@ -230,6 +263,7 @@ def decode_attention(
     k_cache, v_cache: [num_blocks, block_size, Hkv, D]. block_tables: [B, max_blocks] int32.
     seq_lens: [B] int32, context length *including* the new token (already stored).
     Returns out [T, Hq, D] in q's dtype (rows of sequences with seq_len 0 are zeros).
+    sliding_window: attend to the last W keys only; logits_soft_cap: c * tanh(s / c) scores.
 
     No host synchronisation and a data-independent grid: safe to capture in a CUDA graph
     for a fixed (B, num_kv_splits).
@@ -261,14 +295,14 @@ def decode_attention(
     _decode_stage1_kernel[(B, Hkv, S)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, mid_o, mid_lse,
-        float(scale) * LOG2E,
+        float(scale) * LOG2E, window_arg(sliding_window), soft_cap_arg(logits_soft_cap),
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         *out.stride(), *mid_o.stride(), *mid_lse.stride(),
         D,
         BLOCK_SIZE=block_size,
         GROUP=group, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        NUM_SPLITS=S, DOT_PRECISION=dot_precision(q.dtype),
+        NUM_SPLITS=S, DOT_PRECISION=dot_precision(q.dtype), HAS_SOFT_CAP=bool(logits_soft_cap),
         num_warps=num_warps,
     )
     if S > 1:
@@ -282,4 +316,5 @@ def decode_attention(
     return out
 
 
-__all__ = ["decode_attention", "default_num_kv_splits", "dot_precision", "LOG2E"]
+__all__ = ["decode_attention", "default_num_kv_splits", "dot_precision", "soft_cap_arg", "soft_cap_tanh",
+           "window_arg", "LOG2E"]

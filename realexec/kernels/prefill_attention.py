@@ -24,6 +24,10 @@ Scores: S = Q @ K^T (fp32 accumulate), masked by pos < kv_end and the causal con
 pos <= ctx + i; online softmax in base 2 (exp2 with scale*log2(e) folded into S) with a
 finite initial max so fully masked rows never produce NaN. Rows with no visible key (only
 possible for inconsistent padding rows, e.g. seq_len 0 with a query row) write zeros.
+
+Sliding window W (runtime, 0 = none): query i also needs pos > ctx + i - W, and the key loop
+starts at the first key the tile's first query sees, ctx + tile_start - W + 1. Soft cap:
+as in decode_attention (HAS_SOFT_CAP constexpr, cap in base-2 units).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import LOG2E, dot_precision
+from .decode_attention import LOG2E, dot_precision, soft_cap_arg, soft_cap_tanh, window_arg
 
 
 # The block-table width changes from step to step: no recompile when it happens to be 1 or a
@@ -45,6 +49,8 @@ def _prefill_kernel(
     query_start_loc_ptr,        # [B + 1] int32
     out_ptr,                    # [T, Hq, D]
     sm_scale_log2,
+    window,                     # sliding window (0: none)
+    soft_cap_log2,              # soft cap * log2(e) (used when HAS_SOFT_CAP)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -57,6 +63,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -83,13 +90,17 @@ def _prefill_kernel(
     tile_last = tl.minimum((tile + 1) * BLOCK_M, q_len)     # one past the tile's last query
     kv_end = tl.minimum(seq_len, ctx + tile_last)
     kv_end = tl.where(tile * BLOCK_M < q_len, kv_end, 0)
+    # Window (a huge one when there is none): keys before the tile's first query's window
+    # are visible to no query of the tile.
+    win = tl.where(window > 0, window, 1 << 30)
+    kv_lo = tl.maximum(ctx + tile * BLOCK_M - win + 1, 0)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo, kv_end, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < kv_end
         block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -100,7 +111,9 @@ def _prefill_kernel(
                     + kv_head * stride_kh + offs_d[None, :] * stride_kd,
                     mask=kv_mask, other=0.0)                                     # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2   # [BLOCK_M, BLOCK_N]
-        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_SOFT_CAP:
+            s = soft_cap_tanh(s, soft_cap_log2)
+        visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - win)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -133,6 +146,8 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over (cached prefix + new tokens), read from the cache.
 
@@ -141,6 +156,7 @@ def prefill_attention(
     with the new tokens already stored; block_tables [B, max_blocks] int32; seq_lens [B] int32
     (context after this step); max_query_len: host int >= every query length (sizes the grid).
     Returns out [T, Hq, D] in q's dtype; rows not covered by query_start_loc are not written.
+    sliding_window: attend to the last W positions only; logits_soft_cap: c * tanh(s / c) scores.
     """
     T, Hq, D = q.shape
     num_blocks, block_size, Hkv, Dk = k_cache.shape
@@ -159,14 +175,14 @@ def prefill_attention(
     grid = (B, triton.cdiv(max_query_len, BLOCK_M), Hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        float(scale) * LOG2E,
+        float(scale) * LOG2E, window_arg(sliding_window), soft_cap_arg(logits_soft_cap),
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         *out.stride(),
         D,
         BLOCK_SIZE=block_size,
         GROUP=Hq // Hkv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), HAS_SOFT_CAP=bool(logits_soft_cap),
         num_warps=num_warps,
     )
     return out

@@ -14,6 +14,11 @@
 // block table row. Slots < 0 are not written; rows of a sequence with seq_len 0 (padding)
 // are written as zeros.
 //
+// Per-layer options: window W > 0 (sliding window) lets the query at position p see only
+// keys p - W < j <= p (HF's `kv_idx > q_idx - sliding_window`); blocks wholly before a
+// tile's window are not visited. soft_cap c > 0 replaces each scaled score s by
+// c * tanh(s / c) before the mask (Gemma 2). 0 turns either off.
+//
 // Work item = (sequence, kv head, tile of up to `tile` query tokens): the tile's rows are
 // its tokens x the query heads sharing the kv head (GQA without copying K/V). Keys are
 // visited block by block (no gather): a block's keys are transposed into a [D][block_size]
@@ -140,8 +145,16 @@ struct Args {
     const int32_t* query_start_loc; const int32_t* seq_lens;
     int64_t num_heads, G, D, BS, row;
     float scale;
+    int64_t window;     // sliding window (0: none)
+    float soft_cap;     // logit soft cap (0: none)
     float* out;
 };
+
+// Soft-cap scores sr[lo, hi) in place: s -> c * tanh(s / c).
+inline void soft_cap_scores(float* __restrict sr, int64_t lo, int64_t hi, float cap) {
+    const float inv = 1.0f / cap;
+    for (int64_t t = lo; t < hi; ++t) sr[t] = cap * std::tanh(sr[t] * inv);
+}
 
 struct Scratch {   // one per thread
     std::vector<float> qs, acc, kt, s, m, l;
@@ -179,7 +192,9 @@ void attend(const Args& a, const Item& it, Scratch& sc) {
     }
     std::fill(acc, acc + rows * D, 0.0f);
     const int64_t num_keys = ctx + it.j1;   // the tile's last query sees keys [0, num_keys)
-    for (int64_t b0 = 0; b0 < num_keys; b0 += BS) {
+    // The tile's first query sees keys from ctx + j0 - W + 1 on: earlier blocks are skipped.
+    const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, ctx + it.j0 - a.window + 1) : 0;
+    for (int64_t b0 = first_key / BS * BS; b0 < num_keys; b0 += BS) {
         const int64_t n = std::min<int64_t>(BS, num_keys - b0);
         const int64_t base = int64_t(table[b0 / BS]) * BS * row + it.head * D;
         for (int64_t t = 0; t < n; ++t) {        // kt[d][t] = K[b0 + t][d]
@@ -205,11 +220,16 @@ void attend(const Args& a, const Item& it, Scratch& sc) {
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t visible = std::min<int64_t>(n, pos[r] - b0 + 1);   // causal
             if (visible <= 0) continue;          // the whole block lies after this query
+            // keys before lo lie outside this query's window
+            const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos[r] - a.window + 1 - b0) : 0;
+            if (lo >= visible) continue;         // the whole block lies before the window
             float* sr = s + r * BS;
+            if (a.soft_cap > 0.0f) soft_cap_scores(sr, lo, visible, a.soft_cap);
+            for (int64_t t = 0; t < lo; ++t) sr[t] = neg_inf;
             for (int64_t t = visible; t < BS; ++t) sr[t] = neg_inf;
             float* ar = acc + r * D;
             online_softmax_block(sr, BS, m[r], l[r], ar, D);
-            pv_accumulate<kD>(ar, sr, a.v_cache + base, row, visible, D);
+            pv_accumulate<kD>(ar, sr + lo, a.v_cache + base + lo * row, row, visible - lo, D);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -244,8 +264,11 @@ void attend_decode(const Args& a, const Item& it, Scratch& sc) {
         l[r] = 0.0f;
     }
     std::fill(acc, acc + rows * D, 0.0f);
-    for (int64_t b0 = 0; b0 < num_keys; b0 += BS) {
+    // With a window only the last W keys count: start at the block holding the first one.
+    const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, num_keys - a.window) : 0;
+    for (int64_t b0 = first_key / BS * BS; b0 < num_keys; b0 += BS) {
         const int64_t n = std::min<int64_t>(BS, num_keys - b0);
+        const int64_t lo = std::max<int64_t>(0, first_key - b0);   // keys before lo: outside the window
         const float* kb = a.k_cache + int64_t(table[b0 / BS]) * BS * row;
         const float* vb = a.v_cache + int64_t(table[b0 / BS]) * BS * row;
         if (b0 + BS < num_keys) {                  // the next block sits elsewhere: fetch ahead
@@ -260,17 +283,19 @@ void attend_decode(const Args& a, const Item& it, Scratch& sc) {
             const int64_t h = r / G;
             const float* qr = qs + r * D;
             float* sr = s + r * BS;
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = lo; t < n; ++t) {
                 const float* kr = kb + t * row + h * D;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
                 sr[t] = dot;
             }
+            if (a.soft_cap > 0.0f) soft_cap_scores(sr, lo, n, a.soft_cap);
+            for (int64_t t = 0; t < lo; ++t) sr[t] = neg_inf;
             for (int64_t t = n; t < BS; ++t) sr[t] = neg_inf;
             float* ar = acc + r * D;
             online_softmax_block(sr, BS, m[r], l[r], ar, D);
-            pv_accumulate<kD>(ar, sr, vb + h * D, row, n, D);
+            pv_accumulate<kD>(ar, sr + lo, vb + lo * row + h * D, row, n - lo, D);
         }
     }
     float* dst = a.out + t_out * a.num_heads * D;
@@ -284,7 +309,7 @@ void attend_decode(const Args& a, const Item& it, Scratch& sc) {
 
 extern "C" {
 
-int twinserve_paged_attention_abi_version() { return 1; }
+int twinserve_paged_attention_abi_version() { return 2; }
 
 // Returns 0 on success, a negative code for an argument the kernel cannot handle.
 int twinserve_paged_attention_f32(
@@ -294,9 +319,10 @@ int twinserve_paged_attention_f32(
     const int32_t* block_tables, int64_t bt_stride,
     const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-    float scale, int64_t tile, float* out) {
+    float scale, int64_t window, float soft_cap, int64_t tile, float* out) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0 || tile <= 0)
         return -1;
+    if (window < 0 || !(soft_cap >= 0.0f) || std::isinf(soft_cap)) return -5;
     const int64_t H = num_kv_heads, D = head_dim, G = num_heads / num_kv_heads, BS = block_size;
     const int64_t row = H * D;   // floats per token in a cache block
 
@@ -341,12 +367,14 @@ int twinserve_paged_attention_f32(
             continue;
         }
         if (q_len == 1) {
-            items.push_back({int(i), -1, 0, 1, int64_t(seq_len) * num_heads});
+            const int64_t keys = window > 0 ? std::min<int64_t>(seq_len, window) : seq_len;
+            items.push_back({int(i), -1, 0, 1, keys * num_heads});
             continue;
         }
         for (int j0 = 0; j0 < q_len; j0 += tile) {
             const int j1 = std::min<int>(q_len, j0 + tile);
-            const int64_t cost = int64_t(seq_len - q_len + j1) * (j1 - j0) * G;
+            const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - q_len + j0 - window + 1) : 0;
+            const int64_t cost = (seq_len - q_len + j1 - first) * (j1 - j0) * G;
             for (int h = 0; h < H; ++h) items.push_back({int(i), h, j0, j1, cost});
         }
     }
@@ -359,7 +387,7 @@ int twinserve_paged_attention_f32(
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < num_items; ++w) {
             const Args a{q, q_stride, k_cache, v_cache, block_tables, bt_stride, query_start_loc, seq_lens,
-                         num_heads, G, D, BS, row, scale, out};
+                         num_heads, G, D, BS, row, scale, window, soft_cap, out};
             if (items[w].head < 0) {
                 if (BS == 16 && D == 64) attend_decode<16, 64>(a, items[w], sc);
                 else if (BS == 16 && D == 128) attend_decode<16, 128>(a, items[w], sc);
