@@ -20,6 +20,9 @@ def check_parallel_config(args: EngineArgs) -> None:
 
 
 def make_executor(args: EngineArgs) -> ExecutorBase:
+    if args.simulate is not None:          # no model, no workers: steps priced by a cost model
+        from realexec.executor.simulated import SimulatedExecutor
+        return SimulatedExecutor(args)
     backend = args.executor_backend()
     if args.world_size > 1 or args.pp_layer_partition:
         check_parallel_config(args)
