@@ -26,3 +26,50 @@ def save_tiny_llama(path: str | Path, *, vocab_size: int | None = None, tokenize
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return hf
+
+
+# Tiny sizes shared by the Qwen3 / Phi-3 builders: 2 layers, hidden 64, 4 query / 2 KV heads,
+# a 256-token vocabulary, and initializer_range 0.15 (far from uniform attention, so a
+# position or norm mistake shows in the logits).
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+
+
+def _save_tiny(config, path: str | Path, seed: int, adjust=None):
+    """Build the HF model for `config` (fp32, seeded), let `adjust(hf)` change weights, save."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if adjust is not None:
+        with torch.no_grad():
+            adjust(hf)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+def save_tiny_qwen3(path: str | Path, *, seed: int = 0, **config_overrides):
+    """A tiny random Qwen3 (per-head q/k RMSNorm; head_dim 32, so q is 128 wide on a
+    64-wide model, as Qwen3's head_dim is its own) saved to `path`; returns the HF model.
+    The q/k norm weights are random (HF initializes them to ones, which would hide a
+    missing norm's weight)."""
+    from transformers import Qwen3Config
+
+    def random_qk_norms(hf):
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+
+    config = Qwen3Config(**{**TINY, "head_dim": 32, "tie_word_embeddings": True, **config_overrides})
+    return _save_tiny(config, path, seed, random_qk_norms)
+
+
+def save_tiny_phi3(path: str | Path, *, seed: int = 0, **config_overrides):
+    """A tiny random Phi-3 (fused qkv_proj and gate_up_proj in the checkpoint; partial
+    rotary 0.5: RoPE turns 8 of each head's 16 dims) saved to `path`; returns the HF model."""
+    from transformers import Phi3Config
+
+    return _save_tiny(Phi3Config(**{**TINY, "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
+                                    **config_overrides}), path, seed)

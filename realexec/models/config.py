@@ -17,6 +17,40 @@ _DTYPES = {
 }
 
 
+# rope_scaling types the rotary table implements (realexec.models.llama.rope_inv_freq).
+ROPE_TYPES = ("linear", "llama3")
+_ROPE_HINTS = {
+    "longrope": "; LongRoPE is the long-context Phi-3/Phi-3.5/Phi-4-mini variant: use a checkpoint "
+                "without it (e.g. Phi-3-mini-4k-instruct)",
+    "su": "; 'su' is LongRoPE (Phi-3 128k variants): use a 4k checkpoint (e.g. Phi-3-mini-4k-instruct)",
+}
+# HF model_type -> architecture, for a config.json without `architectures`.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# Architectures whose sliding window is off unless use_sliding_window says so.
+_OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Architectures with per-head q/k RMSNorm.
+_QK_NORM = ("Qwen3ForCausalLM",)
+
+
+def architecture_of(d: dict) -> str:
+    """The HF architecture a config.json dict names: `architectures[0]`, else from
+    `model_type` (no model_type at all: Llama, as old exports omit both)."""
+    archs = d.get("architectures") or []
+    if archs:
+        return archs[0]
+    model_type = d.get("model_type")
+    if model_type is None:
+        return "LlamaForCausalLM"
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"config.json names no architectures and model_type {model_type!r} is not one we "
+                         f"know (known: {', '.join(sorted(MODEL_TYPES))})")
+    return MODEL_TYPES[model_type]
+
+
 def _first_id(value: Any) -> int | None:
     """Token id fields may be an int, a list of ints, or null."""
     if isinstance(value, (list, tuple)):
@@ -50,6 +84,11 @@ class ModelConfig:
     torch_dtype: torch.dtype = torch.float32
     # Mistral v0.1 declares one; our attention ignores it, so it only matters past it.
     sliding_window: int | None = None
+    # Qwen3: an RMSNorm over each query and key head (weights [head_dim]) before RoPE.
+    qk_norm: bool = False
+    # Phi-3 style partial rotary: RoPE turns the first int(head_dim * factor) dims of each
+    # head, the rest pass through.
+    partial_rotary_factor: float = 1.0
 
     @property
     def q_size(self) -> int:
@@ -59,12 +98,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else {
-            "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-        }.get(d.get("model_type", ""), "LlamaForCausalLM")
+        arch = architecture_of(d)
+        from realexec.models import check_architecture     # the registry imports this module
+        check_architecture(arch)
         is_qwen2 = arch == "Qwen2ForCausalLM"
 
         heads = d["num_attention_heads"]
@@ -74,16 +116,22 @@ class ModelConfig:
         rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = d.get("rope_scaling") or (rope_params if rope_params else None)
         if rope_scaling is not None:
-            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
             rope_type = rope_scaling.pop("rope_type", rope_scaling.pop("type", "default"))
             rope_scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope_scaling}
+            if rope_scaling is not None and rope_type not in ROPE_TYPES:
+                raise ValueError(f"{arch}: rope_scaling type {rope_type!r} is not supported "
+                                 f"(supported: default, {', '.join(ROPE_TYPES)})"
+                                 + _ROPE_HINTS.get(rope_type, ""))
+        partial_rotary = float(d.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)))
 
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
             () if eos is None else (int(eos),))
         dtype_name = d.get("torch_dtype") or d.get("dtype") or "float32"
         attention_bias = bool(d.get("attention_bias", is_qwen2))
-        sliding = d.get("sliding_window") if d.get("use_sliding_window", not is_qwen2) else None
+        # Qwen2/Qwen3 declare a window but switch it off with use_sliding_window.
+        sliding = d.get("sliding_window") if d.get("use_sliding_window", arch not in _OPT_IN_WINDOW) else None
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -106,4 +154,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=_DTYPES.get(str(dtype_name).removeprefix("torch."), torch.float32),
             sliding_window=sliding,
+            qk_norm=arch in _QK_NORM,
+            partial_rotary_factor=partial_rotary,
         )

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) on our paged attention.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) on our paged attention.
 
 One flat batch per step: `input_ids`/`positions` are [T] (the new tokens of every
 scheduled sequence, concatenated); attention reads/writes the paged KV cache through
@@ -92,7 +92,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by position; "rotate half" layout (HF Llama), not interleaved pairs."""
+    """Rotate x [T, H, D] by position; "rotate half" layout (HF Llama), not interleaved pairs.
+    With partial rotary (cos/sin narrower than D/2) only the first 2 * cos.shape[-1] dims
+    turn; the rest pass through (HF Phi-3)."""
+    half = cos.shape[-1]
+    if 2 * half != x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :2 * half], cos, sin), x[..., 2 * half:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -143,12 +148,18 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size * tp.size, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.backend = backend
+        # Qwen3: RMSNorm over each head's dims (one weight shared by all heads) before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, kv_cache: KVCache | None, md: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         out = self.backend.forward(q, k, v, k_cache, v_cache, md, self.scale)
@@ -199,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = vocab() if pp.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in pp.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings,
+        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim, max_position or cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
         # Tied models have no lm_head (logits use the embedding matrix), unless the
         # embedding lives on another stage: then the last stage loads its own copy.
@@ -242,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
             elif ".gate_up_proj." in name:
                 expected[name] = 2
         seen: dict[str, set] = {}
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._unfused(weights):
             name = self._local_name(hf_name.removeprefix("model."))
             if name is None:
                 continue
@@ -267,6 +278,26 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n, count in expected.items() if len(seen.get(n, ())) != count]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Checkpoints that store qkv_proj / gate_up_proj fused (Phi-3) as the separate
+        q/k/v and gate/up tensors, so that tensor parallelism cuts each one's rows."""
+        cfg = self.config
+        for hf_name, tensor in weights:
+            module, _, kind = hf_name.rpartition(".")          # kind: weight | bias
+            prefix, _, proj = module.rpartition(".")
+            if proj == "qkv_proj":
+                sizes, names = [cfg.q_size, cfg.kv_size, cfg.kv_size], ("q_proj", "k_proj", "v_proj")
+            elif proj == "gate_up_proj":
+                sizes, names = [cfg.intermediate_size] * 2, ("gate_proj", "up_proj")
+            else:
+                yield hf_name, tensor
+                continue
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} has {tensor.shape[0]} rows, "
+                                 f"expected {' + '.join(map(str, sizes))}")
+            for part, piece in zip(names, tensor.split(sizes, dim=0)):
+                yield f"{prefix}.{part}.{kind}", piece
 
     def holds(self, hf_name: str) -> bool:
         """Whether this rank keeps checkpoint tensor `hf_name` (the loader skips the others

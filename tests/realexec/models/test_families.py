@@ -1,0 +1,234 @@
+"""Qwen3 and Phi-3 against transformers, and the registry's refusals.
+
+Tiny random-weight checkpoints built with transformers' own config classes
+(tests/tiny_models.py) and saved with save_pretrained: our paged model's logits agree with
+HF's within fp32 tolerance (one batch, chunked prefill mixed with decodes, a prefix-cache
+hit), and greedy tokens equal HF `generate`, in the model and through the engine (LLM).
+TP=2 on the `mp` executor equals TP=1 for Phi-3 (its fused qkv/gate_up tensors are cut per
+rank). Architectures we do not run are refused with an error that names them and says why.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core import SamplingParams
+from realexec.models import MODEL_REGISTRY, REFUSED, ModelConfig, check_architecture
+from realexec.models.loader import load_model, read_model_config
+from tests.realexec.models.test_model import ATOL, PagedKV, greedy_generate, hf_logits, random_prompts, run_step
+from tests.tiny_models import save_tiny_phi3, save_tiny_qwen3
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BUILDERS = {"qwen3": save_tiny_qwen3, "phi3": save_tiny_phi3}
+ARCHS = {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{family: (checkpoint dir, HF model)}, built once per module."""
+    out = {}
+    for kind, build in BUILDERS.items():
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        out[kind] = (path, build(path))
+    return out
+
+
+@pytest.fixture(scope="module", params=[(kind, backend) for backend in ("torch", "cpu") for kind in BUILDERS],
+                ids=lambda p: "-".join(p))
+def tiny(request, checkpoints):
+    """(our model, HF model): ours runs the torch reference attention or the CPU kernel."""
+    kind, backend = request.param
+    path, hf = checkpoints[kind]
+    ours, cfg, _ = load_model(path, dtype=torch.float32, attn_backend=backend)
+    assert cfg.architecture == ARCHS[kind] == type(hf).__name__
+    return ours, hf
+
+
+# ----------------------------------------------------------------------------- config
+
+def test_family_configs_read_from_hf(checkpoints):
+    """What each family's config.json says reaches ModelConfig: Qwen3's own head_dim (q is
+    wider than the model) and q/k norm, Phi-3's partial rotary; the defaults stay off."""
+    q3 = read_model_config(checkpoints["qwen3"][0])
+    p3 = read_model_config(checkpoints["phi3"][0])
+    assert (q3.head_dim, q3.q_size, q3.qk_norm, q3.rotary_dim, q3.attention_bias, q3.sliding_window) == (
+        32, 128, True, 32, False, None)
+    assert (p3.head_dim, p3.qk_norm, p3.partial_rotary_factor, p3.rotary_dim, p3.attention_bias) == (
+        16, False, 0.5, 8, False)
+    # A config.json without `architectures` (hand-written, some exports) names its family by model_type.
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    assert ModelConfig.from_hf({**base, "model_type": "qwen3"}).qk_norm
+    assert ModelConfig.from_hf({**base, "model_type": "phi3", "hidden_size": 16,
+                                "partial_rotary_factor": 0.75}).rotary_dim == 6
+    with pytest.raises(ValueError, match="model_type 'gpt_neox' is not one we know"):
+        ModelConfig.from_hf({**base, "model_type": "gpt_neox"})
+
+
+# ----------------------------------------------------------------------------- logits and greedy vs HF
+
+def test_prefill_batch_matches_hf(tiny):
+    ours, hf = tiny
+    prompts = random_prompts(3, [5, 8, 13])
+    got = run_step(ours, PagedKV(ours.config, num_blocks=32, block_size=4), [(f"p{i}", p, 0)
+                                                                            for i, p in enumerate(prompts)])
+    for p, g in zip(prompts, got):
+        torch.testing.assert_close(g, hf_logits(hf, p), atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_decodes_and_prefix_hit_match_hf(tiny):
+    """Chunks mixed with decodes, then a sequence that reuses another's first two blocks
+    (a prefix-cache hit) and computes only its suffix: HF's full-prefill logits throughout."""
+    ours, hf = tiny
+    B = 4
+    a, b = random_prompts(2, [14, 15], seed=2)
+    c = a[:2 * B] + random_prompts(1, [6], seed=3)[0]
+    ref_a, ref_b, ref_c = (hf_logits(hf, s) for s in (a, b, c))
+    kv = PagedKV(ours.config, num_blocks=48, block_size=B, seed=5)
+    la, lb = run_step(ours, kv, [("a", a[:9], 0), ("b", b[:5], 0)])
+    torch.testing.assert_close(la, ref_a[:9], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lb, ref_b[:5], atol=ATOL, rtol=0)
+    la, lb = run_step(ours, kv, [("a", a[9:10], 9), ("b", b[5:], 5)])
+    torch.testing.assert_close(la, ref_a[9:10], atol=ATOL, rtol=0)
+    torch.testing.assert_close(lb, ref_b[5:], atol=ATOL, rtol=0)
+    for pos in range(10, 14):
+        (la,) = run_step(ours, kv, [("a", a[pos:pos + 1], pos)])
+        torch.testing.assert_close(la, ref_a[pos:pos + 1], atol=ATOL, rtol=0)
+    kv.share_prefix("c", "a", 2)
+    (lc,) = run_step(ours, kv, [("c", c[2 * B:], 2 * B)])
+    torch.testing.assert_close(lc, ref_c[2 * B:], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF's greedy tokens, never stopping at EOS (as our runs with ignore_eos)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                              eos_token_id=-1)          # a token that never comes
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_hf_generate(tiny):
+    ours, hf = tiny
+    prompts = random_prompts(2, [6, 11], seed=4)
+    got = greedy_generate(ours, PagedKV(ours.config, num_blocks=64, block_size=4, seed=7), prompts, 24)
+    assert got == [hf_greedy(hf, p, 24) for p in prompts]
+
+
+# ----------------------------------------------------------------------------- through the engine
+
+SHARED = list(range(40, 56))                        # 4 full blocks of 4: prefix-cache hits
+PROMPTS = [SHARED + [3, 4, 5], SHARED + [6, 7, 8, 9, 10], list(range(100, 131)), [9, 8, 7, 6, 5]]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+# Chunks of 16 tokens (the 31-token prompt prefills in two), prefix caching on.
+ENGINE = dict(block_size=4, num_gpu_blocks=128, swap_space=0.002, max_num_batched_tokens=16,
+              enable_prefix_caching=True)
+
+
+def engine_run(llm):
+    """(greedy tokens of PROMPTS, prefix-hit tokens): the shared prompts run after the
+    first finishes, so they hit its cached blocks."""
+    hits0 = llm.engine.scheduler.kv.stats().prefix_cache_hits
+    first = llm.generate(PROMPTS[:1], GREEDY)
+    rest = llm.generate(PROMPTS[1:], GREEDY)
+    out = [o.outputs[0].token_ids for o in first + rest]
+    return out, llm.engine.scheduler.kv.stats().prefix_cache_hits - hits0
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_engine_greedy_matches_hf_generate(kind, checkpoints):
+    """LLM with chunked prefill and prefix caching gives HF's greedy tokens."""
+    from realexec import LLM
+
+    path, hf = checkpoints[kind]
+    out, hits = engine_run(LLM(model=str(path), **ENGINE))
+    assert hits > 0
+    assert out == [hf_greedy(hf, p, 20) for p in PROMPTS]
+
+
+def test_phi3_tp2_mp_matches_tp1(checkpoints):
+    """Tensor parallelism on the mp executor: each rank cuts its q/k/v and gate/up rows out
+    of Phi-3's fused checkpoint tensors; greedy tokens equal TP=1's."""
+    from realexec import LLM
+
+    path = str(checkpoints["phi3"][0])
+    reference = engine_run(LLM(model=path, **ENGINE))
+    llm = LLM(model=path, tensor_parallel_size=2, distributed_executor_backend="mp", **ENGINE)
+    try:
+        assert engine_run(llm) == reference
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_tp_that_does_not_divide_the_heads_is_refused(kind, checkpoints):
+    from realexec.distributed import check_tensor_parallel
+
+    cfg = read_model_config(checkpoints[kind][0])
+    check_tensor_parallel(cfg, 2)
+    with pytest.raises(ValueError, match=r"tensor-parallel-size 4 must divide the model's 4 query heads and 2 KV "
+                                         r"heads .* valid sizes: 1, 2"):
+        check_tensor_parallel(cfg, 4)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def _config_dir(tmp_path, config: dict):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_refused_architectures_name_themselves_and_the_supported_list(tmp_path):
+    """Loading a family we do not run fails before any weight is read: the architecture,
+    the reason, and what does run."""
+    from transformers import Gemma2Config
+
+    gemma = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16).to_dict()
+    gemma["architectures"] = ["Gemma2ForCausalLM"]
+    path = _config_dir(tmp_path / "gemma2", gemma)
+    supported = ", ".join(sorted(MODEL_REGISTRY))
+    with pytest.raises(ValueError) as info:
+        load_model(path)
+    assert str(info.value) == f"Gemma2ForCausalLM: {REFUSED['Gemma2ForCausalLM']}; supported: {supported}"
+    assert "not supported yet" in str(info.value) and "Qwen3ForCausalLM" in str(info.value)
+
+    # An architecture nobody listed: named, with the supported list.
+    with pytest.raises(ValueError, match=r"^unsupported architecture 'FalconForCausalLM'; supported: .*"
+                                         r"Phi3ForCausalLM.*Qwen3ForCausalLM"):
+        read_model_config(_config_dir(tmp_path / "falcon", {**gemma, "architectures": ["FalconForCausalLM"]}))
+    # No `architectures`, a refused model_type: the same refusal as by name.
+    del gemma["architectures"]
+    with pytest.raises(ValueError, match=r"^Gemma2ForCausalLM: not supported yet"):
+        read_model_config(_config_dir(tmp_path / "gemma2-untagged", gemma))
+    for arch in REFUSED:
+        with pytest.raises(ValueError, match=rf"^{arch}: "):
+            check_architecture(arch)
+    for arch in MODEL_REGISTRY:
+        check_architecture(arch)
+
+
+def test_phi3_longrope_is_refused_with_the_way_out(tmp_path):
+    """Phi-3 128k / Phi-3.5 / Phi-4-mini use LongRoPE, which our rotary table does not
+    implement: a one-line refusal that says so, in the old ('su') and new layouts."""
+    from transformers import Phi3Config
+
+    factors = [1.0] * 8                     # head_dim 16: one per rotated pair
+    cfg = Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, pad_token_id=0, max_position_embeddings=256,
+                     original_max_position_embeddings=64,
+                     rope_scaling={"rope_type": "longrope", "short_factor": factors, "long_factor": factors}).to_dict()
+    cfg["architectures"] = ["Phi3ForCausalLM"]
+    with pytest.raises(ValueError, match=r"^Phi3ForCausalLM: rope_scaling type 'longrope' is not supported .*"
+                                         r"Phi-3-mini-4k-instruct"):
+        load_model(_config_dir(tmp_path / "new", cfg))
+    old = {**{k: v for k, v in cfg.items() if k != "rope_parameters"},
+           "rope_scaling": {"type": "su", "short_factor": factors, "long_factor": factors}}
+    with pytest.raises(ValueError, match=r"^Phi3ForCausalLM: rope_scaling type 'su' is not supported"):
+        read_model_config(_config_dir(tmp_path / "old", old))
