@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.metrics import percentile
+from core.procs import realexec_server
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "chaos-key"
@@ -169,35 +166,20 @@ async def slow_request(client, key: str, prompt: str) -> Outcome:
 
 # ----------------------------------------------------------------------------- server
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def server_log_path(args) -> Path:
+    """Where a started server's output goes: next to --save-result, else results/."""
+    return Path(args.save_result).with_suffix(".server.log") if args.save_result \
+        else ROOT / "results" / "bench_chaos.server.log"
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "realexec", "serve", "--port", str(port), "--api-key", args.api_key,
-           "--request-timeout", str(args.request_timeout), "--max-request-body-bytes", str(1 << 20),
-           "--log-level", "warning", *args.server_args.split()]
+def start_server(args, log: Path):
+    """`realexec serve` with the chaos settings: core.procs' context manager (healthy inside,
+    stopped with SIGINT, SIGTERM, SIGKILL on the way out)."""
+    server_args = ["--api-key", args.api_key, "--request-timeout", str(args.request_timeout),
+                   "--max-request-body-bytes", str(1 << 20), "--log-level", "warning", *args.server_args.split()]
     if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    import httpx
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited: " + proc.stdout.read()[-2000:])
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the server did not start in 300 s")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
+        server_args += ["--model", args.model]
+    return realexec_server(server_args, log, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
 
 
 def peak_rss_mib(pid: int) -> float | None:
@@ -301,14 +283,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"offline greedy reference for {len(prompts)} prompts ...", flush=True)
     reference = offline_reference(args, prompts)
 
-    proc = None
     if args.url:
-        base = args.url.rstrip("/")
+        base, started = args.url.rstrip("/"), contextlib.nullcontext()
     else:
         print("starting the server ...", flush=True)
-        proc, base = start_server(args)
+        started = start_server(args, server_log_path(args))
     rng = random.Random(0)
-    try:
+    with started as server:
+        base = server.url if server else base
         t0 = time.perf_counter()
         baseline = summarize(asyncio.run(run_phase(base, args, prompts, False, rng)), reference)
         baseline["duration_s"] = time.perf_counter() - t0
@@ -325,17 +307,9 @@ def run(args: argparse.Namespace) -> int:
                                        if k.startswith("twinserve:request_rejected_total{") and v - m_before.get(k, 0)}
         chaos["aborted"] = int(m_after["twinserve:request_success_total{finished_reason=abort}"]
                                - m_before["twinserve:request_success_total{finished_reason=abort}"])
-        rss = peak_rss_mib(proc.pid) if proc else None
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        rss = peak_rss_mib(server.proc.pid) if server else None
     result = {"baseline": baseline, "chaos": chaos, "server_peak_rss_mib": rss,
-              "server_exit_code": proc.returncode if proc else None}
+              "server_exit_code": server.proc.returncode if server else None}
     print_table(result, args)
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(result, indent=2))
@@ -361,7 +335,7 @@ def print_table(r: dict, args) -> None:
     for name, x, y in rows:
         print(f"| {name} | {x} | {y} |")
     print(f"\nserver peak RSS: {r['server_peak_rss_mib'] or float('nan'):.0f} MiB; "
-          f"exit code after SIGTERM: {r['server_exit_code']}")
+          f"exit code after SIGINT: {r['server_exit_code']}")
     print(f"rejections by reason (chaos phase): {c['rejected_by_reason']}")
     for name, phase in (("baseline", b), ("chaos", c)):
         if phase["good_failures"]:

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from core.procs import ServerError, realexec_server
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Prompts for the greedy comparison: varied lengths so prefill, chunking and several decode
@@ -165,48 +167,25 @@ def run_greedy(model: str, max_tokens: int, out: Path, device: str = "cuda", num
 # ----------------------------------------------------------------------------- serve step
 
 def run_serve(model: str, out: Path, num_requests: int, rates: list[str], max_tokens_cap: int,
-              port: int = 8765, start_timeout: float = 180.0) -> int:
+              port: int | None = None, start_timeout: float = 180.0) -> int:
     """`realexec serve` on this box and `bench serve` against it at each rate (the OpenAI
-    server, streaming, and the engine loop on CUDA end to end). The server is ours to stop:
-    by its process, also when something fails."""
-    import urllib.request
-
-    py, url = sys.executable, f"http://127.0.0.1:{port}"
-    log = (out / "server.log").open("w")
-    server = subprocess.Popen([py, "-m", "realexec", "serve", "--model", model, "--port", str(port)],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    server, streaming, and the engine loop on CUDA end to end). The server is core.procs'
+    context manager: stopped by its process on the way out, also when something fails."""
+    py = sys.executable
     try:
-        t0 = time.perf_counter()
-        while True:
-            if server.poll() is not None:
-                print(f"server exited with {server.returncode} before it was ready (see {log.name})")
-                return 1
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.perf_counter() - t0 > start_timeout:
-                print(f"server not ready after {start_timeout:.0f} s")
-                return 1
-            time.sleep(0.5)
-        print(f"server ready in {time.perf_counter() - t0:.0f} s", flush=True)
-        rc = 0
-        for rate in rates:
-            r = subprocess.run([py, "-m", "realexec", "bench", "serve", "--url", url, "--num-requests",
-                                str(num_requests), "--rate", rate, "--max-tokens-cap", str(max_tokens_cap),
-                                "--save-result", str(out / f"serve_rate_{rate}.json")], cwd=ROOT)
-            rc = rc or r.returncode
-        return rc
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        with realexec_server(["--model", model], out / "server.log", port=port, ready_timeout=start_timeout,
+                             cwd=ROOT) as server:
+            print(f"server ready in {server.ready_s:.0f} s", flush=True)
+            rc = 0
+            for rate in rates:
+                r = subprocess.run([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--num-requests",
+                                    str(num_requests), "--rate", rate, "--max-tokens-cap", str(max_tokens_cap),
+                                    "--save-result", str(out / f"serve_rate_{rate}.json")], cwd=ROOT)
+                rc = rc or r.returncode
+            return rc
+    except ServerError as e:
+        print(e)
+        return 1
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -270,7 +249,7 @@ def main(argv=None) -> int:
     v.add_argument("--num-requests", type=int, default=400)
     v.add_argument("--rates", default="16,inf")
     v.add_argument("--max-tokens-cap", type=int, default=256)
-    v.add_argument("--port", type=int, default=8765)
+    v.add_argument("--port", type=int, default=None, help="(default: a free port)")
     args = p.parse_args(argv)
 
     if args.inner == "serve":

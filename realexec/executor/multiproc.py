@@ -28,7 +28,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ import traceback
 from collections import deque
 from multiprocessing.connection import wait as wait_any
 
+from core.procs import free_port
 from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.config import EngineArgs
 from realexec.executor.base import ExecutorBase, InOrderReplies, WorkerError, load_engine_tokenizer
@@ -57,12 +57,6 @@ MAIN_GUARD_HINT = ('the script that created the engine has no `if __name__ == "_
                    "worker ran the script and tried to start workers of its own. Put the code that creates the "
                    'LLM / engine under `if __name__ == "__main__":` (Python\'s multiprocessing docs, "Safe '
                    'importing of main module")')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def describe_exit(code: int | None) -> str:

@@ -58,9 +58,9 @@ class RayWorkerActor:
 
     def node_ip_and_port(self) -> tuple[str, int]:
         import ray
-        from realexec.executor.multiproc import free_port
+        from core.procs import free_port
         ip = ray.util.get_node_ip_address()
-        return ip, free_port() if ip in ("127.0.0.1", "localhost") else _free_port_on(ip)
+        return ip, free_port("127.0.0.1" if ip == "localhost" else ip)
 
     def start(self, init_method: str) -> int:
         from realexec.worker.worker import Worker
@@ -90,13 +90,6 @@ class RayWorkerActor:
     def rpc(self, ticket: int, method, args: tuple, kwargs: dict):
         from realexec.worker.worker import call_on_worker
         return self._in_turn(ticket, lambda: call_on_worker(self.worker, method, args, kwargs))
-
-
-def _free_port_on(ip: str) -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 def default_cpus_per_worker(cluster_cpus: float, world_size: int) -> float:

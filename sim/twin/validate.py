@@ -37,16 +37,14 @@ import json
 import os
 import resource
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
 from core.metrics import percentile
+from core.procs import realexec_server
 from core.cost.step_log import first_visible_index, load_log, read_log, sample_times
 from sim.config import SimConfig, nonneg_int, positive_float, positive_int
 from traces.model import Trace, TraceRequest
@@ -90,27 +88,6 @@ def add_parser(sub) -> None:
 
 
 # -- real side ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy within {timeout:.0f}s")
-
-
 def _process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a running process (Linux /proc; None elsewhere)."""
     try:
@@ -125,41 +102,29 @@ def run_real(args, out: Path, run: int) -> tuple[Path, Path, dict]:
     """One served + benchmarked run -> (step log, bench result JSON, machine: CPU seconds
     of the server and of the benchmark client during the benchmark, load averages)."""
     log, result = out / f"real{run}.steps.jsonl", out / f"real{run}.bench.json"
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     py = sys.executable
     machine: dict = {}
-    with open(out / f"real{run}.server.log", "w") as server_out:
-        server = subprocess.Popen([py, "-m", "realexec", "serve", "--port", str(port), "--step-log", str(log),
-                                   *shlex.split(args.engine_args)], stdout=server_out, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(url, server)
-            machine["loadavg_1m_before"] = os.getloadavg()[0]
-            server_cpu0, t0 = _process_cpu_s(server.pid), time.monotonic()
-            children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            bench = subprocess.Popen([py, "-m", "realexec", "bench", "serve", "--url", url, "--trace", args.trace,
-                                      "--num-requests", str(args.num_requests), "--rate", str(args.rate),
-                                      "--seed", str(args.seed), "--max-tokens-cap", str(args.max_tokens_cap),
-                                      "--skip", str(getattr(args, "skip", 0)),
-                                      "--save-result", str(result)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-            _, stderr = bench.communicate()
-            server_cpu1 = _process_cpu_s(server.pid)
-            children1 = resource.getrusage(resource.RUSAGE_CHILDREN)      # the client, reaped above
-            machine.update(wall_s=time.monotonic() - t0, loadavg_1m_after=os.getloadavg()[0],
-                           client_cpu_s=(children1.ru_utime + children1.ru_stime)
-                           - (children0.ru_utime + children0.ru_stime))
-            if server_cpu0 is not None and server_cpu1 is not None:
-                machine["server_cpu_s"] = server_cpu1 - server_cpu0
-            if bench.returncode != 0:
-                raise RuntimeError(f"bench serve failed ({bench.returncode}): {stderr[-2000:]}")
-        finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+    with realexec_server(["--step-log", str(log), *shlex.split(args.engine_args)],
+                         out / f"real{run}.server.log") as server:
+        machine["loadavg_1m_before"] = os.getloadavg()[0]
+        server_cpu0, t0 = _process_cpu_s(server.proc.pid), time.monotonic()
+        children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        bench = subprocess.Popen([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--trace", args.trace,
+                                  "--num-requests", str(args.num_requests), "--rate", str(args.rate),
+                                  "--seed", str(args.seed), "--max-tokens-cap", str(args.max_tokens_cap),
+                                  "--skip", str(getattr(args, "skip", 0)),
+                                  "--save-result", str(result)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        _, stderr = bench.communicate()
+        server_cpu1 = _process_cpu_s(server.proc.pid)
+        children1 = resource.getrusage(resource.RUSAGE_CHILDREN)      # the client, reaped above
+        machine.update(wall_s=time.monotonic() - t0, loadavg_1m_after=os.getloadavg()[0],
+                       client_cpu_s=(children1.ru_utime + children1.ru_stime)
+                       - (children0.ru_utime + children0.ru_stime))
+        if server_cpu0 is not None and server_cpu1 is not None:
+            machine["server_cpu_s"] = server_cpu1 - server_cpu0
+        if bench.returncode != 0:
+            raise RuntimeError(f"bench serve failed ({bench.returncode}): {stderr[-2000:]}")
     return log, result, machine
 
 

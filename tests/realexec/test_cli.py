@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.procs import free_port, realexec_server
 from tests.tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,12 +37,6 @@ def env() -> dict:
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cli(*args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -246,19 +240,19 @@ def test_frozen_startup_heap_leaves_no_nanobind_leak_report():
     assert "nanobind: leaked" not in r.stderr, r.stderr[:500]
 
 
-def test_short_serve_run_exits_quietly(tiny_dir):
-    """`serve` started, stopped with SIGINT (drain, exit 0): nothing alarming on stderr."""
+def test_short_serve_run_exits_quietly(tiny_dir, tmp_path):
+    """`serve` started, stopped with SIGINT (drain, exit 0): nothing alarming in its output."""
     pytest.importorskip("uvicorn")
-    port = free_port()
-    with cli_process("serve", "--model", tiny_dir, "--port", str(port), "--kv-cache-memory", "0.05",
-                     "--swap-space", "0", "--log-level", "warning") as (proc, out, err):
-        assert out.wait_for(lambda d: b"serving" in d, timeout=240), (out.data, err.data)
+    with realexec_server(["--model", tiny_dir, "--kv-cache-memory", "0.05", "--swap-space", "0",
+                          "--log-level", "warning"], tmp_path / "serve.log", ready_timeout=240, cwd=ROOT,
+                         env=env()) as server:
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=120)
-    assert code == 0, err.data.decode()[-2000:]
-    assert b"stopped; 0 KV blocks in use" in out.data
-    assert b"nanobind: leaked" not in err.data, err.data.decode()[:1000]
+        server.proc.send_signal(signal.SIGINT)
+        code = server.proc.wait(timeout=120)
+    out = server.output()
+    assert code == 0, out[-2000:]
+    assert "stopped; 0 KV blocks in use" in out
+    assert "nanobind: leaked" not in out, out[:1000]
 
 
 @pytest.mark.slow

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from core.procs import realexec_server
 from realexec.server.config import ServerConfig
 from tests.realexec.server.test_server import IGNORE_EOS, ROOT, TINY, _error, metrics, serve, tiny_dir, tiny_engine, wait_for  # noqa: F401
 
@@ -299,46 +299,25 @@ def test_engine_fault_answers_every_waiting_client(tiny_dir):
 
 # ----------------------------------------------------------------------------- graceful shutdown
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _server(tiny_dir, *extra):
-    """A `realexec serve` process of our own, yielded as (process, base URL) once healthy;
-    killed on the way out if it is still running (also when it never became healthy)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "realexec", "serve", "--model", tiny_dir, "--port", str(port),
-           "--num-gpu-blocks", "1024", "--swap-space", "0.01", "--log-level", "warning", *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    """A `realexec serve` process of our own (core.procs), yielded as (process, base URL,
+    log file) once healthy; stopped on the way out if it is still running (also when it
+    never became healthy)."""
+    args = ["--model", tiny_dir, "--num-gpu-blocks", "1024", "--swap-space", "0.01", "--log-level", "warning", *extra]
+    with tempfile.TemporaryDirectory() as tmp, \
+            realexec_server(args, Path(tmp) / "server.log", ready_timeout=120, stop_timeouts=(10, 5), cwd=ROOT,
+                            env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}) as server:
+        yield server.proc, server.url, server.log
 
 
-def _assert_stopped_with_every_block_free(proc: subprocess.Popen) -> None:
-    out = proc.stdout.read()
+def _assert_stopped_with_every_block_free(log: Path) -> None:
+    out = log.read_text()
     assert "twinserve: stopped; 0 KV blocks in use" in out, out
 
 
 def test_sigterm_drains_then_exits_clean(tiny_dir):
-    with _server(tiny_dir, "--shutdown-timeout", "3") as (proc, base):
+    with _server(tiny_dir, "--shutdown-timeout", "3") as (proc, base, log):
         results: dict[str, list[str]] = {}
         started = {name: threading.Event() for name in ("short", "long")}
 
@@ -371,11 +350,11 @@ def test_sigterm_drains_then_exits_clean(tiny_dir):
         assert results["long"][-1] == "[DONE]"                                            # cut at the timeout
         assert json.loads(results["long"][-2])["error"]["code"] == "shutting_down"
         assert proc.wait(30) == 0
-        _assert_stopped_with_every_block_free(proc)
+        _assert_stopped_with_every_block_free(log)
 
 
 def test_second_signal_exits_at_once(tiny_dir):
-    with _server(tiny_dir, "--shutdown-timeout", "60") as (proc, base):
+    with _server(tiny_dir, "--shutdown-timeout", "60") as (proc, base, log):
         started = threading.Event()
 
         def stream():
@@ -403,7 +382,7 @@ def test_stalled_upload_does_not_hold_the_drain(tiny_dir):
     held the exit after SIGTERM for the whole --shutdown-timeout plus 10 s and got a
     text/plain 500. A request that never reached the engine is not waited for: it gets a
     JSON 503 at once and the server exits promptly (default --body-read-timeout 30 s)."""
-    with _server(tiny_dir, "--shutdown-timeout", "30") as (proc, base):
+    with _server(tiny_dir, "--shutdown-timeout", "30") as (proc, base, log):
         host, port = base.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as s:
             s.sendall(post_head(1000, auth=False) + b'{"prompt": "h')
@@ -418,7 +397,7 @@ def test_stalled_upload_does_not_hold_the_drain(tiny_dir):
         assert json.loads(body)["error"]["code"] == "shutting_down"
         assert proc.wait(20) == 0
         assert time.monotonic() - t0 < 10, "the exit waited for the stalled upload"
-        _assert_stopped_with_every_block_free(proc)
+        _assert_stopped_with_every_block_free(log)
 
 
 def test_serve_exits_nonzero_when_kv_blocks_leak(tiny_dir, monkeypatch, capsys):

@@ -1,0 +1,130 @@
+"""core.procs: the one free-port helper and server-process context manager (used by sim
+validate/calibrate, the chaos and GPU benchmarks and the server tests). A fake server
+(stdlib http.server) stands in for `realexec serve`: it logs the signals it gets, and
+can ignore them, exit early or never become healthy."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import textwrap
+import time
+
+import pytest
+
+from core.procs import ServerError, free_port, realexec_serve_cmd, realexec_server, serve_process
+
+FAKE = textwrap.dedent("""
+    import http.server, os, signal, sys, threading, time
+    port, mode = int(sys.argv[1]), sys.argv[2]
+    print("pid", os.getpid(), flush=True)
+    if mode == "exit":
+        print("cannot load the model", flush=True)
+        sys.exit(3)
+
+    def on(sig, frame):
+        print("got", signal.Signals(sig).name, flush=True)
+        if mode != "stubborn":
+            os._exit(0)
+    signal.signal(signal.SIGINT, on)
+    signal.signal(signal.SIGTERM, on)
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503 if mode == "unhealthy" else 200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", port), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    while True:
+        time.sleep(0.05)
+""")
+
+
+@pytest.fixture
+def fake(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE)
+
+    def cmd(port: int, mode: str = "ok") -> list[str]:
+        return [sys.executable, str(script), str(port), mode]
+    return cmd
+
+
+def _pid(log_text: str) -> int:
+    return int(log_text.split("pid ", 1)[1].split()[0])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_free_port_is_free_on_loopback():
+    port = free_port()
+    assert 1024 <= port < 65536
+    with socket.socket() as s:          # nothing holds it: we can bind it ourselves
+        s.bind(("127.0.0.1", port))
+
+
+def test_server_is_healthy_inside_and_stopped_with_sigint_after(fake, tmp_path):
+    port, log = free_port(), tmp_path / "logs" / "server.log"
+    with serve_process(fake(port), port, log, ready_timeout=30) as server:
+        assert server.url == f"http://127.0.0.1:{port}" and server.port == port
+        assert server.proc.poll() is None
+        with socket.create_connection(("127.0.0.1", port), timeout=5):   # it listens where we said
+            pass
+    assert server.proc.returncode == 0
+    assert "got SIGINT" in server.output() and "SIGTERM" not in server.output()   # one drain signal
+
+
+def test_stop_escalates_sigint_sigterm_sigkill(fake, tmp_path):
+    port, log = free_port(), tmp_path / "server.log"
+    t0 = time.monotonic()
+    with serve_process(fake(port, "stubborn"), port, log, ready_timeout=30, stop_timeouts=(0.5, 0.5)) as server:
+        t0 = time.monotonic()
+    assert server.proc.returncode == -9                       # killed in the end
+    out = server.output()
+    assert out.index("got SIGINT") < out.index("got SIGTERM"), out
+    assert time.monotonic() - t0 < 10
+
+
+def test_server_stopped_when_the_body_raises(fake, tmp_path):
+    port = free_port()
+    with pytest.raises(KeyError), serve_process(fake(port), port, tmp_path / "s.log", ready_timeout=30) as server:
+        raise KeyError("boom")
+    assert server.proc.returncode is not None
+
+
+def test_early_exit_is_an_error_naming_the_log_and_quoting_it(fake, tmp_path):
+    port, log = free_port(), tmp_path / "early.log"
+    with pytest.raises(ServerError) as e, serve_process(fake(port, "exit"), port, log, ready_timeout=30):
+        pytest.fail("the body must not run")
+    msg = str(e.value)
+    assert "exited with status 3" in msg and str(log) in msg and "cannot load the model" in msg
+
+
+def test_never_healthy_times_out_and_the_process_is_killed(fake, tmp_path):
+    port, log = free_port(), tmp_path / "slow.log"
+    with pytest.raises(ServerError, match=r"not healthy within 1 s") as e, \
+            serve_process(fake(port, "unhealthy"), port, log, ready_timeout=1, stop_timeouts=(5, 5)):
+        pytest.fail("the body must not run")
+    assert str(log) in str(e.value)
+    pid = _pid(log.read_text())
+    assert _gone(pid), "the server outlived its context"
+    assert "got SIGINT" in log.read_text()
+
+
+def test_realexec_server_builds_the_command_and_refuses_a_second_port(tmp_path):
+    assert realexec_serve_cmd(["--model", "m"], 1234, python="py") == \
+        ["py", "-m", "realexec", "serve", "--port", "1234", "--model", "m"]
+    with pytest.raises(ValueError, match="port="):
+        with realexec_server(["--port", "80"], tmp_path / "x.log"):
+            pass
+    with pytest.raises(ValueError, match="timeout must be > 0"), \
+            serve_process([sys.executable, "-c", "pass"], free_port(), tmp_path / "y.log", ready_timeout=0):
+        pass
