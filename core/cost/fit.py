@@ -32,6 +32,7 @@ import random
 from bisect import bisect_right
 from typing import Iterable, NamedTuple, Sequence
 
+from core.cost import schema
 from core.metrics import percentile
 
 FORMAT = "twinserve-step-cost"
@@ -690,97 +691,50 @@ class StepJitter:
 
 
 def check_model(model: dict, where: str = "cost model") -> None:
-    """Raise ValueError naming what is wrong when `model` is not a usable step-cost model."""
+    """Raise ValueError naming what is wrong, and where (a field path), when `model` is not
+    a usable step-cost model (schema: core.cost.schema)."""
     if not isinstance(model, dict) or model.get("format") != FORMAT:
         raise ValueError(f"{where}: not a {FORMAT} file (format field is {model.get('format') if isinstance(model, dict) else None!r})")
     if model.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{where}: version {model.get('version')!r}, this build reads versions {READABLE_VERSIONS}")
-    parts = model.get("parts")
-    if not isinstance(parts, dict):
-        raise ValueError(f"{where}: missing 'parts'")
+    typed = schema.decode(model, where)
     for part in PARTS:
         for phase in PHASES:
-            entry = parts.get(part, {}).get(phase)
-            if entry is None:
-                raise ValueError(f"{where}: no {part} model for {phase} steps (profile both phases)")
-            feats, coef, knots = entry.get("features"), entry.get("coef"), entry.get("knots", [])
-            if (not isinstance(knots, list) or any(not isinstance(t, int) or t < 1 for t in knots)
-                    or any(a >= b for a, b in zip(knots, knots[1:]))):
-                raise ValueError(f"{where}: {part}/{phase}: knots must be increasing token counts >= 1, got {knots!r}")
-            allowed = set(FEATURES) | {f"k:{t}" for t in knots[1:-1]}
-            if (not isinstance(feats, list) or not isinstance(coef, list) or len(feats) != len(coef)
-                    or any(f not in allowed for f in feats)):
-                raise ValueError(f"{where}: {part}/{phase}: features and coef must be equal-length lists over "
-                                 f"{FEATURES} and the knots' k:<tokens>")
-            if any(not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in coef):
-                raise ValueError(f"{where}: {part}/{phase}: coefficients must be finite and >= 0, got {coef}")
-    if "swap" in model:
-        _check_swap(model["swap"], where)
-    if "served" in model:
-        _check_served(model["served"], where)
-    if "client" in model:
-        client_delays(model, where)
-    if "jitter" in model:
-        jitter_params(model, where)
+            entry = getattr(getattr(typed.parts, part), phase)
+            allowed = set(FEATURES) | {f"k:{t}" for t in entry.knots[1:-1]}
+            unknown = [f for f in entry.features if f not in allowed]
+            if unknown:
+                raise ValueError(f"{where}: features {unknown} are not among {FEATURES} and the knots' k:<tokens> "
+                                 f"- at `$.parts.{part}.{phase}.features`")
+    if typed.served is not None:
+        keys = set(PHASES) | {f"{p}:{b}" for p in PHASES for b in [f"<={h}" for h in BATCH_BUCKETS] + [f">{BATCH_BUCKETS[-1]}"]}
+        keys |= {f"prefill:tokens{b}"
+                 for b in [f"<={h}" for h in PREFILL_TOKEN_BUCKETS] + [f">{PREFILL_TOKEN_BUCKETS[-1]}"]}
+        for key in typed.served.factors:
+            if key not in keys:
+                raise ValueError(f"{where}: unknown factor key {key!r} (phase, phase:<=N / phase:>N with N in "
+                                 f"{BATCH_BUCKETS}, or prefill:tokens<=N / prefill:tokens>N with N in "
+                                 f"{PREFILL_TOKEN_BUCKETS}) - at `$.served.factors`")
 
 
 def jitter_params(model: dict, where: str = "cost model") -> tuple[float, float, float, float] | None:
     """(sigma, phi, slow_share, slow_phi) of the model's jitter section (a section without
     the slow part: one AR(1), slow_share 0); None without one. (Its run_sigma, where
     present, is reported, not drawn: see StepJitter.)"""
-    jitter = model.get("jitter")
-    if jitter is None:
+    if model.get("jitter") is None:
         return None
-    if not isinstance(jitter, dict):
-        raise ValueError(f"{where}: jitter must be an object, got {jitter!r}")
-    sigma, phi = jitter.get("sigma"), jitter.get("phi")
-    share, slow_phi, run_sigma = (jitter.get(k, 0.0) for k in ("slow_share", "slow_phi", "run_sigma"))
-
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and math.isfinite(x)
-    if not (number(sigma) and sigma >= 0 and number(run_sigma) and run_sigma >= 0 and number(phi) and 0 <= phi < 1
-            and number(slow_phi) and 0 <= slow_phi < 1 and number(share) and 0 <= share <= 1):
-        raise ValueError(f"{where}: jitter: sigma and run_sigma must be finite and >= 0, phi and slow_phi in "
-                         f"[0, 1), slow_share in [0, 1], got {jitter!r}")
-    return float(sigma), float(phi), float(share), float(slow_phi)
+    j = schema.decode(model["jitter"], where, schema.Jitter, path=".jitter")
+    return float(j.sigma), float(j.phi), float(j.slow_share), float(j.slow_phi)
 
 
 def client_delays(model: dict, where: str = "cost model") -> tuple[float, float]:
     """(first, last): seconds a client sees its first / last token after the engine
     produced it, counted from when its request reached the server (HTTP in, streaming
     out; `client` section of a served calibration); (0, 0) without one."""
-    client = model.get("client")
-    if client is None:
+    if model.get("client") is None:
         return 0.0, 0.0
-    vals = tuple(client.get(k) if isinstance(client, dict) else None for k in ("first_token_s", "last_token_s"))
-    if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in vals):
-        raise ValueError(f"{where}: client: first_token_s and last_token_s must be finite numbers, got {client!r}")
-    return vals
-
-
-def _check_served(served, where: str) -> None:
-    factors = served.get("factors") if isinstance(served, dict) else None
-    if not isinstance(factors, dict):
-        raise ValueError(f"{where}: served: needs a 'factors' object (phase or phase:bucket -> scale)")
-    keys = set(PHASES) | {f"{p}:{b}" for p in PHASES for b in [f"<={h}" for h in BATCH_BUCKETS] + [f">{BATCH_BUCKETS[-1]}"]}
-    keys |= {f"prefill:tokens{b}"
-             for b in [f"<={h}" for h in PREFILL_TOKEN_BUCKETS] + [f">{PREFILL_TOKEN_BUCKETS[-1]}"]}
-    for key, f in factors.items():
-        if key not in keys:
-            raise ValueError(f"{where}: served: unknown factor key {key!r} (phase, phase:<=N / phase:>N "
-                             f"with N in {BATCH_BUCKETS}, or prefill:tokens<=N / prefill:tokens>N with N in "
-                             f"{PREFILL_TOKEN_BUCKETS})")
-        if not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-            raise ValueError(f"{where}: served: factor {key!r} must be finite and > 0, got {f!r}")
-
-
-def _check_swap(swap, where: str) -> None:
-    coef, size = swap.get("coef") if isinstance(swap, dict) else None, swap.get("block_bytes") if isinstance(swap, dict) else None
-    if (not isinstance(coef, list) or len(coef) != 2
-            or any(not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0 for c in coef)):
-        raise ValueError(f"{where}: swap: coef must be two finite numbers >= 0 (fixed, per block), got {coef!r}")
-    if not isinstance(size, int) or size <= 0:
-        raise ValueError(f"{where}: swap: block_bytes must be a positive integer, got {size!r}")
+    c = schema.decode(model["client"], where, schema.Client, path=".client")
+    return c.first_token_s, c.last_token_s
 
 
 class StepCostEvaluator:
