@@ -36,6 +36,8 @@ the same order, so both modes produce bit-identical sums (tested).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from core.kv.contiguous import ContiguousKVCacheManager
 from core.sched.event_skipping import memory_breakdown
 from core.kv.kv_cache_manager import KVCacheManager
@@ -43,12 +45,24 @@ from core.kv.kv_cache_manager import KVCacheManager
 CATEGORIES = ("token_states", "reserved", "internal_frag", "external_frag")
 
 
-def sample(scheduler) -> tuple[int, int, int, int, int, int, int]:
-    """(token_states, reserved, internal_frag, external_frag, free, physical, logical) now."""
+class MemorySample(NamedTuple):
+    """The fields above: slot counts (the first five) and block counts (the last two) in a
+    sample; the same fields times seconds in `MemoryAccumulator.integrals()`."""
+    token_states: float
+    reserved: float
+    internal_frag: float
+    external_frag: float
+    free: float
+    physical: float
+    logical: float
+
+
+def sample(scheduler) -> MemorySample:
+    """The memory sample of the core's state now."""
     b = memory_breakdown(scheduler)
     kv = scheduler.kv
-    return (b["token_states"], b["reserved"], b["internal_frag"], b["external_frag"], b["free"],
-            kv.gpu.num_used, sum(map(len, kv.tables.values())))
+    return MemorySample(b["token_states"], b["reserved"], b["internal_frag"], b["external_frag"], b["free"],
+                        kv.gpu.num_used, sum(map(len, kv.tables.values())))
 
 
 class SpanModel:
@@ -77,41 +91,49 @@ class SpanModel:
         self.total = tok + res + internal + ext + free
         self.reserves = isinstance(scheduler.kv, ContiguousKVCacheManager)
 
-    def at(self, i: int, used: int) -> tuple[int, int, int, int, int, int, int]:
+    def at(self, i: int, used: int) -> MemorySample:
         """The sample during step i of the span, when `used` blocks are in use."""
         grown = (i + 1) * self.n
         tok = self.tok + grown
         res = self.res - grown if self.reserves else self.res
         free = self.free - self.bs * (used - self.used)
         internal = self.total - tok - res - self.ext - free
-        return tok, res, internal, self.ext, free, used, self.logical + used - self.used
+        return MemorySample(tok, res, internal, self.ext, free, used, self.logical + used - self.used)
 
 
 class MemoryAccumulator:
-    """Time integrals (value x seconds) of each sample field, added step by step."""
+    """Time integrals (value x seconds) of each `MemorySample` field, added step by step
+    (event skipping adds a span's steps itself, reading and writing `integrals()`)."""
 
-    __slots__ = ("block_size", "num_blocks", "w")
+    __slots__ = ("block_size", "num_blocks", *MemorySample._fields)
 
-    FIELDS = (*CATEGORIES, "free", "physical", "logical")
+    FIELDS = MemorySample._fields
 
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.w = [0.0] * len(self.FIELDS)
+        self.set(MemorySample(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
 
-    def add(self, dt: float, s: tuple) -> None:
-        w = self.w
-        w[0] += s[0] * dt
-        w[1] += s[1] * dt
-        w[2] += s[2] * dt
-        w[3] += s[3] * dt
-        w[4] += s[4] * dt
-        w[5] += s[5] * dt
-        w[6] += s[6] * dt
+    def add(self, dt: float, s: MemorySample) -> None:
+        self.token_states += s[0] * dt
+        self.reserved += s[1] * dt
+        self.internal_frag += s[2] * dt
+        self.external_frag += s[3] * dt
+        self.free += s[4] * dt
+        self.physical += s[5] * dt
+        self.logical += s[6] * dt
+
+    def integrals(self) -> MemorySample:
+        return MemorySample(self.token_states, self.reserved, self.internal_frag, self.external_frag, self.free,
+                            self.physical, self.logical)
+
+    def set(self, integrals: MemorySample) -> None:
+        (self.token_states, self.reserved, self.internal_frag, self.external_frag, self.free, self.physical,
+         self.logical) = integrals
 
     def summary(self, total_time: float) -> tuple[dict, dict]:
         """(memory_breakdown, kv_sharing) entries of summary.json."""
-        w = dict(zip(self.FIELDS, self.w))
+        w = self.integrals()._asdict()
         in_use = sum(w[c] for c in CATEGORIES)
         breakdown = {
             "shares": {c: (w[c] / in_use if in_use > 0 else 0.0) for c in CATEGORIES},

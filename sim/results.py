@@ -135,13 +135,10 @@ def write_results(result: SimResult, out_dir: str | Path) -> dict:
         w.writerow(REQUEST_COLUMNS)
         for rec, req_out in zip(result.records, result.requested_output_lens):
             w.writerow(["" if v is None else v for v in request_row(rec, req_out)])
-    num_blocks = result.config.cache.num_gpu_blocks
-    slots = num_blocks * result.config.cache.block_size
     with open(out / "timeseries.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(result.TIMESERIES_COLUMNS)
-        for row in result.timeseries:
-            w.writerow((row[0], row[1], row[2], row[3] / num_blocks) + row[4:10] + tuple(v / slots for v in row[10:]))
+        w.writerows(result.timeseries)
     return summary
 
 

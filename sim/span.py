@@ -33,7 +33,7 @@ from array import array
 from bisect import bisect_left
 from itertools import accumulate
 
-from sim.memory import SpanModel, blocks_at_finish, growth_from_offsets
+from sim.memory import MemorySample, SpanModel, blocks_at_finish, growth_from_offsets
 
 
 class Span:
@@ -153,15 +153,15 @@ class Span:
 
     # -- committing -------------------------------------------------------------------------
     def account(self, engine, k: int) -> None:
-        """Add steps [done, k) to the engine's integrals (`memory.w`, request-seconds,
+        """Add steps [done, k) to the engine's integrals (`memory.integrals()`, request-seconds,
         the largest block count) and timeseries (one row per phase piece), in step order:
         each integral is the same sum of the same products as single steps make. Advances
         the cursor; the caller applies the steps to the core and moves `done`."""
         model, bs = self.model, self._bs
         total, ext, free0, used0, g = model.total, model.ext, model.free, model.used, self._g
         waiting, swapped = self.counts[1], self.counts[2]
-        w = engine.memory.w
-        m0, m1, m2, m3, m4, m5, m6 = w
+        memory = engine.memory
+        token_s, reserved_s, internal_s, external_s, free_s, physical_s, logical_s = memory.integrals()
         w_run, w_wait, w_swap = engine._w_running, engine._w_waiting, engine._w_swapped
         used, tok, res, n, running = self._used, self._tok, self._res, self._n, self._running
         starts, late, durations, ends, bounds = self._starts, self._late, self.durations, self.ends, self._acc_bounds
@@ -183,7 +183,7 @@ class Span:
                 n -= len(leaving)
                 running = n
             b = min(k, bounds[-1] + 1) if bounds else k
-            before = (m0, m1, m2, m3, m5)
+            in_use_before, physical_before = (token_s, reserved_s, internal_s, external_s), physical_s
             if lean:
                 # free and used - g kept as they change (the same integers, so the same
                 # products); step i's growth is starts[i % bs], rotated to start at a.
@@ -199,11 +199,11 @@ class Span:
                         used_g += grow
                     w_run += running * dt
                     tok += n
-                    m0 += tok * dt
-                    m2 += (total - tok - free) * dt
-                    m4 += free * dt
-                    m5 += used * dt
-                    m6 += used_g * dt
+                    token_s += tok * dt
+                    internal_s += (total - tok - free) * dt
+                    free_s += free * dt
+                    physical_s += used * dt
+                    logical_s += used_g * dt
             else:
                 for i in range(a, b):
                     dt = durations[i]
@@ -216,19 +216,19 @@ class Span:
                     tok += n
                     res -= res_step
                     free = free0 - bs * (used - used0)
-                    m0 += tok * dt
-                    m1 += res * dt
-                    m2 += (total - tok - res - ext - free) * dt
-                    m3 += ext * dt
-                    m4 += free * dt
-                    m5 += used * dt
-                    m6 += (used - g) * dt
-            engine._span_row(ends[a - 1] if a else self.start, ends[b - 1], b - a, m5 - before[4], running, waiting, swapped, n,
-                             (m0, m1, m2, m3), before)
+                    token_s += tok * dt
+                    reserved_s += res * dt
+                    internal_s += (total - tok - res - ext - free) * dt
+                    external_s += ext * dt
+                    free_s += free * dt
+                    physical_s += used * dt
+                    logical_s += (used - g) * dt
+            engine._span_row(ends[a - 1] if a else self.start, ends[b - 1], b - a, physical_s - physical_before, running, waiting, swapped, n,
+                             (token_s, reserved_s, internal_s, external_s), in_use_before)
             if used > engine._max_used:
                 engine._max_used = used            # (blocks only grow within a phase)
             a = b
-        w[:] = (m0, m1, m2, m3, m4, m5, m6)
+        memory.set(MemorySample(token_s, reserved_s, internal_s, external_s, free_s, physical_s, logical_s))
         engine._w_running, engine._w_waiting, engine._w_swapped = w_run, w_wait, w_swap
         self._used, self._tok, self._res, self._n, self._running = used, tok, res, n, running
 

@@ -138,8 +138,8 @@ class PacedReplica(Replica):
             account(dt, used, running, waiting, swapped)
             mem = memory_sample(sched)
             mem_add(dt, mem)
-            timeseries.append((clock, dt, 1, used, running, waiting, swapped, len(out.scheduled),
-                               out.num_batched_tokens, len(out.preempted), *mem[:4]))
+            timeseries.step(clock, dt, used, running, waiting, swapped, len(out.scheduled), out.num_batched_tokens,
+                            len(out.preempted), mem)
             end = clock + dt
             # Apply the step's results now: the router then sees this replica as it will
             # be at the step's end (see the module docstring); stamps use `end`.
@@ -169,7 +169,7 @@ class PacedReplica(Replica):
         if dt > 0:
             self._account(dt, used, *counts)
             self.memory.add(dt, mem)
-            self.timeseries.append((clock, dt, 0, used, *counts, 0, 0, 0, *mem[:4]))
+            self.timeseries.idle(clock, dt, used, *counts, mem)
             self.clock = woken
 
     def _skip(self):

@@ -240,7 +240,7 @@ class Replica(SimEngine):
             used, counts, mem = waiting
             self._account(dt, used, *counts)
             self.memory.add(dt, mem)
-            self.timeseries.append((clock, dt, 0, used, *counts, 0, 0, 0, *mem[:4]))
+            self.timeseries.idle(clock, dt, used, *counts, mem)
             self.clock = t
 
     def _wait(self) -> None:
@@ -319,8 +319,8 @@ class Replica(SimEngine):
             self._account(dt, used, running, waiting, swapped)
             mem = memory_sample(sched)
             self.memory.add(dt, mem)
-            self.timeseries.append((clock, dt, 1, used, running, waiting, swapped, num_seqs,
-                                    num_tokens, len(out.preempted), *mem[:4]))
+            self.timeseries.step(clock, dt, used, running, waiting, swapped, num_seqs, num_tokens, len(out.preempted),
+                                 mem)
             end = clock + dt
             self.clock = end
             self.num_steps += 1
@@ -617,11 +617,7 @@ def write_fleet_results(result: FleetResult, out_dir, slo: tuple[float, float] |
         w = csv.writer(f)
         w.writerow((*SimResult.TIMESERIES_COLUMNS, "replica"))
         for i, rep in enumerate(result.replicas):
-            blocks = rep.config.cache.num_gpu_blocks
-            slots = blocks * rep.config.cache.block_size
-            for row in rep.timeseries:
-                w.writerow((row[0], row[1], row[2], row[3] / blocks) + row[4:10]
-                           + tuple(v / slots for v in row[10:]) + (i,))
+            w.writerows((*row, i) for row in rep.timeseries)
     return summary
 
 

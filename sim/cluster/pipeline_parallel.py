@@ -135,8 +135,8 @@ class PipelineSimEngine(SimEngine):
         self._account(dt, used, running, waiting, swapped)
         self.memory.add(dt, mem)
         self._w_in_flight += flying * dt
-        self.timeseries.append((self._mark, dt, landed, used, running, waiting, swapped, seqs, tokens, preempted,
-                                *mem[:4]))
+        self.timeseries.step(self._mark, dt, used, running, waiting, swapped, seqs, tokens, preempted, mem,
+                             steps=landed)
         self._mark = now
 
     def _engine_process(self):

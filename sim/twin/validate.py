@@ -272,9 +272,7 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
     if len(draws) > 1:
         stats = mean_stats([d[0] for d in draws])
     e2e = {rid: lat[2] for rid, lat in done}
-    cols = result.TIMESERIES_COLUMNS
-    ti, bi = cols.index("time"), cols.index("batch_size")
-    batch = [(row[ti], row[bi]) for row in result.timeseries]
+    batch = [(row.time, row.batch_size) for row in result.timeseries]
     return SimRun(stats, e2e, batch, result, [[lat for _, lat in d[1]] for d in draws])
 
 
