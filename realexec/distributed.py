@@ -154,6 +154,9 @@ def check_tensor_parallel(cfg, tp: int) -> None:
             f"valid sizes: {', '.join(map(str, divisors))}")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor-parallel-size {tp} must divide the MLP width {cfg.intermediate_size}")
+    experts_width = getattr(cfg, "moe_intermediate_size", 0)     # each expert's width is split too
+    if getattr(cfg, "num_experts", 0) and experts_width % tp:
+        raise ValueError(f"tensor-parallel-size {tp} must divide the expert MLP width {experts_width}")
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,13 +19,13 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,      # realexec.models.moe
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 # Architectures users ask for that we refuse, with the reason (shown in the error).
 REFUSED: dict[str, str] = {
     "Gemma2ForCausalLM": "not supported yet (logit soft-capping, alternating local/global attention)",
-    "MixtralForCausalLM": "not supported yet (mixture-of-experts layers)",
-    "Qwen3MoeForCausalLM": "not supported yet (mixture-of-experts layers)",
     "Phi3SmallForCausalLM": "not supported (Phi-3-small's block-sparse attention and GeGELU MLP differ "
                             "from Phi-3-mini/medium's Phi3ForCausalLM)",
 }

@@ -31,9 +31,9 @@ MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # Architectures whose sliding window is off unless use_sliding_window says so.
-_OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Architectures with per-head q/k RMSNorm.
-_QK_NORM = ("Qwen3ForCausalLM",)
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def architecture_of(d: dict) -> str:
@@ -86,6 +86,14 @@ class ModelConfig:
     sliding_window: int | None = None
     # Qwen3: an RMSNorm over each query and key head (weights [head_dim]) before RoPE.
     qk_norm: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE; 0 experts: dense): top-k of num_experts
+    # SwiGLU experts of width moe_intermediate_size, the k weights renormalized to sum to 1
+    # if norm_topk_prob; dense_mlp_layers keep a dense MLP (Qwen3-MoE's mlp_only_layers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
     # Phi-3 style partial rotary: RoPE turns the first int(head_dim * factor) dims of each
     # head, the rest pass through.
     partial_rotary_factor: float = 1.0
@@ -156,4 +164,23 @@ class ModelConfig:
             sliding_window=sliding,
             qk_norm=arch in _QK_NORM,
             partial_rotary_factor=partial_rotary,
+            **_moe_fields(d, arch),
         )
+
+
+def _moe_fields(d: dict, arch: str) -> dict:
+    """The MoE fields of a Mixtral / Qwen3-MoE config.json (transformers 5 writes
+    num_local_experts for both; Qwen3-MoE hub configs say num_experts)."""
+    # Absent keys take transformers' MixtralConfig / Qwen3MoeConfig defaults.
+    if arch == "MixtralForCausalLM":       # experts as wide as intermediate_size, always renormalized
+        return dict(num_experts=d.get("num_local_experts", 8), num_experts_per_tok=d.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+    if arch == "Qwen3MoeForCausalLM":
+        experts = d.get("num_experts", d.get("num_local_experts", 128))
+        step, dense_only = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(d["num_hidden_layers"])
+                      if i in dense_only or not (experts > 0 and (i + 1) % step == 0))
+        return dict(num_experts=experts, num_experts_per_tok=d.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=d.get("moe_intermediate_size", 768),
+                    norm_topk_prob=bool(d.get("norm_topk_prob", False)), dense_mlp_layers=dense)
+    return {}
