@@ -61,6 +61,10 @@ def test_family_configs_read_from_hf(checkpoints):
     # A config.json without `architectures` (hand-written, some exports) names its family by model_type.
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
     assert ModelConfig.from_hf({**base, "model_type": "qwen3"}).qk_norm
+    # Qwen3 (as Qwen2) declares a window that is off unless use_sliding_window says so
+    # (HF's default for an absent key is False); Mistral's is on.
+    assert ModelConfig.from_hf({**base, "model_type": "qwen3", "sliding_window": 4096}).sliding_window is None
+    assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
     assert ModelConfig.from_hf({**base, "model_type": "phi3", "hidden_size": 16,
                                 "partial_rotary_factor": 0.75}).rotary_dim == 6
     with pytest.raises(ValueError, match="model_type 'gpt_neox' is not one we know"):
