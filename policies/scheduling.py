@@ -16,6 +16,7 @@ class SchedulingRules:
     name: str
     long_prefill_cap_needs_company: bool = False
     admission_reserves_full_sequence: bool = False
+    victim_from_whole_running: bool = False
     # the victim policy this engine uses with each queue policy (None: the caller's choice)
     victims: tuple[tuple[str, str], ...] = ()
 
@@ -28,19 +29,20 @@ TWINSERVE = SchedulingRules("twinserve")
 # vLLM v1: the long-prefill threshold is not applied when the request is alone (running +
 # waiting == 1); admission checks that the whole known sequence fits the free blocks
 # (SchedulerConfig.scheduler_reserve_full_isl, default on); the victim is running[-1]
-# (FCFS) or the running request with the largest (priority, arrival) (priority policy).
+# (FCFS) or the running request with the largest (priority, arrival) (priority policy), even
+# one the step has already scheduled (its slice is taken back).
 VLLM_V1 = SchedulingRules("vllm-v1", long_prefill_cap_needs_company=True, admission_reserves_full_sequence=True,
-                          victims=(("fcfs", "tail"), ("priority", "lowest-priority")))
+                          victim_from_whole_running=True, victims=(("fcfs", "tail"), ("priority", "lowest-priority")))
 
 SCHEDULERS = {"twinserve": TWINSERVE, "vllm-v1": VLLM_V1}
 
-# What vLLM v1 runs with by default (config/scheduler.py, config/cache.py, platforms/cpu.py):
-# chunked prefill always on, prefix caching on, no admission watermark, recompute
-# preemption (v1 has no swap), LRU eviction over the free-block queue, no long-prefill cap;
-# the CPU platform makes blocks 128 tokens (GPUs: 16).
+# What vLLM v1 runs with by default (config/scheduler.py, config/cache.py, platforms/cpu.py)
+# where twinserve's defaults differ: prefix caching on, no admission watermark; the CPU
+# platform makes blocks 128 tokens (GPUs: 16). The rest equals twinserve's defaults:
+# chunked prefill on, recompute preemption (v1 has no swap: check_vllm_v1), LRU eviction
+# over the free-block queue, no long-prefill cap.
 ENGINE_DEFAULTS = {
-    "vllm-v1": {"enable_chunked_prefill": True, "enable_prefix_caching": True, "watermark": 0.0,
-                "preemption": "recompute", "eviction": "lru", "long_prefill_token_threshold": 0},
+    "vllm-v1": {"enable_prefix_caching": True, "watermark": 0.0},
 }
 VLLM_V1_CPU_BLOCK_SIZE = 128
 

@@ -69,6 +69,9 @@ class SchedulingRules(Protocol):
     # Admission needs free blocks for every known token of the request (beyond its prefix
     # hits), not only for the first chunk: chunked prefill cannot over-admit and thrash.
     admission_reserves_full_sequence: bool
+    # The victim policy chooses among all running requests, not only those the step has not
+    # scheduled yet; a victim already scheduled gives its slice (and tokens) back.
+    victim_from_whole_running: bool
 
 
 class AllocationPolicy(Protocol):

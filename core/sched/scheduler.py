@@ -3,7 +3,9 @@
 Each `schedule()` builds one step's batch under a token budget and a sequence budget:
   1. running requests, oldest first (decodes and continuing chunked prefills); when the
      pool is short, the victim policy picks a not-yet-scheduled running request to
-     preempt (recompute: drop its KV; swap: copy it to the CPU pool);
+     preempt (recompute: drop its KV; swap: copy it to the CPU pool); under rules with
+     `victim_from_whole_running` (vllm-v1) any running request, a scheduled one giving
+     its slice back;
   2. if nothing was preempted (nor waits for a victim in flight): swapped requests are
      brought back (FCFS), then waiting requests are admitted in queue-policy order,
      reusing cached prefix blocks.
@@ -94,6 +96,7 @@ class Scheduler:
         rules = getattr(policies, "rules", None)      # engine-wide rules (policy_api.SchedulingRules)
         self._cap_needs_company = bool(rules is not None and rules.long_prefill_cap_needs_company)
         self._reserve_full = bool(rules is not None and rules.admission_reserves_full_sequence)
+        self._victim_anywhere = bool(rules is not None and getattr(rules, "victim_from_whole_running", False))
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -274,7 +277,16 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_group(plan):
-                victim = self.policies.victim.select(running[i:])
+                if self._victim_anywhere and in_flight is None:
+                    # vLLM v1 (priority): any running request, even one already scheduled
+                    # this step (it gives its slice back)
+                    victim = self.policies.victim.select(running)
+                    at = running.index(victim)
+                    if at < i:
+                        budget += self._unschedule(victim, out)
+                        i -= 1
+                else:
+                    victim = self.policies.victim.select(running[i:])
                 preempted = True                # (either way: no admissions while a request lacks blocks)
                 if in_flight is not None and victim in in_flight:
                     # The policy's victim is in flight: wait for its batch to land rather than
@@ -377,6 +389,24 @@ class Scheduler:
                 out.num_prefill_tokens += n
         out.num_batched_tokens += total
         return total
+
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput) -> int:
+        """Take `request`'s slices out of this step's batch (it is about to be preempted);
+        returns the tokens they had taken from the budget."""
+        kept, freed = [], 0
+        for s in out.scheduled:
+            if s.seq.request is request:
+                s.seq.num_computed_tokens = s.start
+                freed += s.num_tokens
+                if s.num_tokens > 1:
+                    out.num_prefill_tokens -= s.num_tokens
+            else:
+                kept.append(s)
+        out.scheduled[:] = kept
+        # (schedule() adds its fast-path decodes at the end: the total comes out right)
+        out.num_batched_tokens -= freed
+        return freed
 
     def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
         self.running.remove(request)
