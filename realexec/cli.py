@@ -51,6 +51,11 @@ COMMANDS: dict[str, Command | dict] = {
                               "realexec.bench.throughput:add_arguments", "realexec.bench.throughput:run"),
         "serve": Command("serving benchmark: stream a trace's requests at a rate to an OpenAI-compatible server",
                          "realexec.bench.serve:add_arguments", "realexec.bench.serve:run"),
+        "simulate-vs-real": Command("serve --simulate vs the real server on one trace slice: TTFT/TPOT/throughput "
+                                    "table", "realexec.bench.simulated:add_vs_real_arguments",
+                                    "realexec.bench.simulated:run_vs_real"),
+        "simulate-cpu": Command("CPU one serve --simulate replica takes at a request rate (server process, /proc)",
+                                "realexec.bench.simulated:add_cpu_arguments", "realexec.bench.simulated:run_cpu"),
         "chaos": Command("good traffic under malformed, oversized, disconnecting and timing-out traffic",
                          "realexec.bench.chaos:add_arguments", "realexec.bench.chaos:run"),
         "executors": Command("uni / mp / ray executors: step-message bytes, RPC overhead, tok/s; SmolLM2 TP=1 vs 3",

@@ -62,9 +62,12 @@ def test_each_step_advances_the_fake_clock_by_exactly_its_price(engine):
 
 def test_chunked_prefill_and_mixed_batches_are_priced_by_their_slices():
     """A 40-token prompt in 16-token chunks (context = the chunk's start), then a batch that
-    mixes its decode with a second prompt: each step is one BatchShape of all its slices."""
+    mixes its decode with a second prompt: each step is one BatchShape of all its slices.
+    SmolLM2 on the 2-core CPU spec: compute-bound steps, so the causal pairs count too."""
     clock = FakeClock()
-    engine = sim_engine(clock, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    engine = sim_engine(clock, max_num_batched_tokens=16, enable_chunked_prefill=True, sim_model="SmolLM2-135M",
+                        sim_hardware="cpu-2core")
+    roofline = RooflineCostModel(get_model("SmolLM2-135M"), get_hardware("cpu-2core"))
     a = engine.add_request(list(range(200, 240)), SamplingParams(max_tokens=2, ignore_eos=True))
     for _ in range(3):
         engine.step()
@@ -73,7 +76,8 @@ def test_chunked_prefill_and_mixed_batches_are_priced_by_their_slices():
         engine.step()
     shapes = [BatchShape.prefill(16, 0), BatchShape.prefill(16, 16), BatchShape.prefill(8, 32),
               BatchShape.from_pairs([(1, 40), (5, 0)])]       # a's decode + b's whole prompt
-    assert clock.waits == [ROOFLINE.step_time(s) for s in shapes], (a, b)
+    assert clock.waits == [roofline.step_time(s) for s in shapes], (a, b)
+    assert roofline.breakdown(shapes[1]).bound == "compute"
 
 
 def test_swaps_are_priced_on_top_of_the_batch(engine):
@@ -139,6 +143,8 @@ def test_tokens_are_deterministic_for_a_seed_and_differ_across_seeds(engine):
 def test_tokens_come_from_the_vocabulary_without_special_tokens(engine):
     tok = engine.tokenizer
     special = set(tok.all_special_ids) | {engine.eos_token_id}
+    vocab = engine.executor.driver.vocab          # what every draw picks from
+    assert set(vocab) == set(range(len(tok))) - special
     (out,) = run(engine, [(PROMPTS[0], _params(max_tokens=400, temperature=1.0, seed=3))]).values()
     tokens = out[0]
     assert len(tokens) == 400 and all(0 <= t < len(tok) and t not in special for t in tokens)

@@ -1,0 +1,219 @@
+"""Benchmarks of `serve --simulate` (issue 32), each one command:
+
+    python -m realexec bench simulate-vs-real   # the real server vs the simulated one on one trace slice
+    python -m realexec bench simulate-cpu       # CPU a simulated replica takes at a request rate
+
+`simulate-vs-real`: per load (a name and a Poisson rate), serve the same trace slice
+(`bench serve`: the first --num-requests requests, arrival seed 0, streamed, ignore_eos,
+temperature 0) to `realexec serve` (the real engine, SmolLM2 on this CPU) and then to
+`realexec serve --simulate COST_MODEL` with the same engine flags (those of the cost
+model's `engine` section: the engine it profiled). Prints one table (median and p90
+TTFT/TPOT, throughput; the simulated server's error against the real one) and writes it
+with both runs' summaries under --out. The cost model defaults to results/profile.json,
+made by `python -m realexec profile --quick --time-basis wall` first when it is missing.
+
+`simulate-cpu`: one simulated replica (default: Llama-3-8B on an H100, roofline) under
+`bench serve` at --rate requests/s with short prompts and outputs; the server process's
+CPU seconds (utime + stime from /proc) per wall second while the requests run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_PROFILE = "results/profile.json"
+DEFAULT_LOADS = "light=0.3,queueing=2"
+# The rows of the table: (label, bench-serve summary key, the issue's target error)
+ROWS = (("median TTFT (ms)", "median_ttft_ms", 0.05), ("median TPOT (ms)", "median_tpot_ms", 0.05),
+        ("output throughput (tok/s)", "output_throughput", 0.05),
+        ("request throughput (req/s)", "request_throughput", 0.05),
+        ("p90 TTFT (ms)", "p90_ttft_ms", 0.10), ("p90 TPOT (ms)", "p90_tpot_ms", 0.10))
+# the profile's engine section -> the serve flags both servers get
+_ENGINE_FLAGS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks", "max_model_len")
+
+
+def _parse_loads(text: str) -> list[tuple[str, float]]:
+    loads = []
+    for item in text.split(","):
+        name, sep, rate = item.partition("=")
+        try:
+            value = float(rate)
+        except ValueError:
+            value = -1.0
+        if not sep or not name.strip() or not value > 0:
+            raise ValueError(f"--loads: expected name=rate pairs with rates > 0 (e.g. {DEFAULT_LOADS}), got {item!r}")
+        loads.append((name.strip(), value))
+    return loads
+
+
+def add_vs_real_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--cost-model", default=DEFAULT_PROFILE,
+                        help=f"the fitted cost model the simulated server prices steps with [{DEFAULT_PROFILE}; "
+                             f"made with `python -m realexec profile --quick` when missing]")
+    parser.add_argument("--trace", default="traces/sharegpt.json", help="trace file [traces/sharegpt.json]")
+    parser.add_argument("--num-requests", type=int, default=20, help="requests per run [20]")
+    parser.add_argument("--max-tokens-cap", type=int, default=32, help="cap each request's max_tokens [32]")
+    parser.add_argument("--loads", default=DEFAULT_LOADS,
+                        help=f"name=rate (req/s) pairs, one pair of runs each [{DEFAULT_LOADS}]")
+    parser.add_argument("--engine-args", default="", help="more serve flags for both servers (one string)")
+    parser.add_argument("--out", default="results/simulate_vs_real", help="output directory [results/simulate_vs_real]")
+    return parser
+
+
+def add_cpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--rate", type=float, default=100.0, help="requests per second [100]")
+    parser.add_argument("--num-requests", type=int, default=1000, help="requests sent [1000]")
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request [8]")
+    parser.add_argument("--simulate", default="roofline", help="the server's --simulate [roofline]")
+    parser.add_argument("--sim-model", default="Llama-3-8B", help="the server's --sim-model [Llama-3-8B]")
+    parser.add_argument("--sim-hardware", default="H100", help="the server's --sim-hardware [H100]")
+    parser.add_argument("--out", default=None, metavar="OUT.json", help="write the measurement here")
+    return parser
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _bench(url: str, trace: str, num_requests: int, rate: float, max_tokens_cap: int | None) -> dict:
+    """One `bench serve` run in this process; its summary (vLLM's keys, p50/p90/p99)."""
+    from realexec.bench import serve as bench_serve
+
+    argv = ["--url", url, "--trace", trace, "--num-requests", str(num_requests), "--rate", f"{rate:g}",
+            "--metric-percentiles", "90,99", "--seed", "0"]
+    if max_tokens_cap is not None:
+        argv += ["--max-tokens-cap", str(max_tokens_cap)]
+    args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    bench_serve._check_args(args)
+    summary, _ = asyncio.run(bench_serve.benchmark(args, bench_serve.build_requests(args)))
+    if summary["failed"]:
+        errors = [e for e in summary["errors"] if e]
+        raise RuntimeError(f"bench serve against {url}: {summary['failed']} request(s) failed: {errors[0]}")
+    return summary
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_flags(cost_model: str) -> list[str]:
+    from core.cost.fitted import load_cost_model_file
+
+    engine = load_cost_model_file(cost_model).get("engine") or {}
+    flags = []
+    for name in _ENGINE_FLAGS:
+        if isinstance(engine.get(name), int):
+            flags += ["--" + name.replace("_", "-"), str(engine[name])]
+    return flags
+
+
+def _error(sim: float, real: float) -> float | None:
+    return (sim - real) / real if real else None
+
+
+def comparison_table(runs: dict[str, dict[str, dict]]) -> str:
+    """Markdown: per load and row, the real and simulated values and the relative error."""
+    lines = ["| load | metric | real | simulated | error | target |", "|---|---|---|---|---|---|"]
+    for load, pair in runs.items():
+        for label, key, target in ROWS:
+            real, sim = pair["real"][key], pair["simulated"][key]
+            err = _error(sim, real)
+            mark = "" if err is None else ("ok" if abs(err) <= target else "missed")
+            err_text = "n/a" if err is None else f"{err:+.1%}"
+            lines.append(f"| {load} | {label} | {real:.2f} | {sim:.2f} | {err_text} | ±{target:.0%} {mark} |")
+    return "\n".join(lines)
+
+
+def _load_avg() -> list[float]:
+    return list(os.getloadavg())
+
+
+# ----------------------------------------------------------------------------- runners
+
+def run_vs_real(args) -> int:
+    from core.procs import realexec_server
+
+    loads = _parse_loads(args.loads)
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if not Path(args.trace).is_file():
+        raise FileNotFoundError(f"--trace {args.trace}: no such file")
+    cost_model = Path(args.cost_model)
+    if not cost_model.exists():
+        # wall time: the simulated server waits in wall time; a CPU-time profile of a shared
+        # host predicts a step's CPU seconds, not how long it takes there
+        cmd = [sys.executable, "-m", "realexec", "profile", "--quick", "--time-basis", "wall", "--out", str(cost_model)]
+        print(f"simulate-vs-real: {cost_model} is missing: profiling first ({' '.join(cmd[1:])})", flush=True)
+        subprocess.run(cmd, check=True)
+    flags = _engine_flags(str(cost_model)) + shlex.split(args.engine_args) + ["--log-level", "warning"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict[str, dict]] = {}
+    env = {"OMP_NUM_THREADS": "1"}
+    for load, rate in loads:
+        runs[load] = {}
+        for kind, extra in (("real", []), ("simulated", ["--simulate", str(cost_model)])):
+            print(f"simulate-vs-real: {load} ({rate:g} req/s), {kind} server: serve {' '.join(flags + extra)}",
+                  flush=True)
+            with realexec_server(flags + extra, out / f"{load}-{kind}.log", env=env, ready_timeout=300,
+                                 stop_timeouts=(30, 10)) as server:
+                load_before = _load_avg()
+                summary = _bench(server.url, args.trace, args.num_requests, rate, args.max_tokens_cap)
+            summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
+            summary["loadavg"] = [load_before, _load_avg()]
+            runs[load][kind] = summary
+    table = comparison_table(runs)
+    print(table)
+    meta = {"cost_model": str(cost_model), "trace": args.trace, "num_requests": args.num_requests,
+            "max_tokens_cap": args.max_tokens_cap, "loads": dict(loads), "serve_flags": flags}
+    (out / "comparison.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
+    (out / "comparison.md").write_text(table + "\n")
+    print(f"saved {out / 'comparison.md'} and {out / 'comparison.json'}")
+    return 0
+
+
+def run_cpu(args) -> int:
+    from core.procs import realexec_server
+
+    if not args.rate > 0 or args.num_requests < 1 or args.max_tokens < 1:
+        raise ValueError("--rate must be > 0, --num-requests and --max-tokens >= 1")
+    flags = ["--simulate", args.simulate, "--log-level", "warning"]
+    if args.simulate == "roofline":
+        flags += ["--sim-model", args.sim_model, "--sim-hardware", args.sim_hardware]
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "short.json"
+        words = "the quick brown fox jumps over a lazy dog while".split()
+        requests = [json.dumps({"id": f"short-{i}", "arrival_time": 0.0, "prompt_len": 16, "output_len": args.max_tokens,
+                                "prompt": " ".join(words[(i + j) % len(words)] for j in range(14))})
+                    for i in range(args.num_requests)]
+        trace.write_text('{"format": "twinserve-trace", "version": 1, "source": "simulate-cpu: short prompts", '
+                         '"requests": [\n' + ",\n".join(requests) + "\n]}\n")
+        with realexec_server(flags, Path(tmp) / "server.log", ready_timeout=300) as server:
+            pid = server.proc.pid
+            _bench(server.url, str(trace), 20, 20.0, None)            # warm-up (first requests, imports)
+            load_before = _load_avg()
+            cpu0, t0 = _cpu_seconds(pid), time.monotonic()
+            summary = _bench(server.url, str(trace), args.num_requests, args.rate, None)
+            cpu1, t1 = _cpu_seconds(pid), time.monotonic()
+    wall = t1 - t0
+    share = (cpu1 - cpu0) / wall
+    result = {"rate": args.rate, "achieved_request_throughput": summary["request_throughput"],
+              "num_requests": args.num_requests, "max_tokens": args.max_tokens, "server_flags": flags,
+              "server_cpu_s": cpu1 - cpu0, "wall_s": wall, "cores": share,
+              "median_ttft_ms": summary["median_ttft_ms"], "median_tpot_ms": summary["median_tpot_ms"],
+              "loadavg": [load_before, _load_avg()]}
+    print(f"simulate-cpu: {summary['request_throughput']:.1f} req/s served ({args.rate:g} offered, "
+          f"{args.max_tokens} output tokens each): the server process used {cpu1 - cpu0:.2f} CPU s in "
+          f"{wall:.2f} s = {share:.1%} of a core (load {load_before[0]:.2f})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
