@@ -18,7 +18,7 @@ from policies import REGISTRY
 from sim.explore import compare, search
 from sim.twin import calibrate, replay, validate
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
-                        positive_int, with_measured_engine)
+                        positive_int, with_fitting_hardware, with_measured_engine)
 from sim.engine import ResolvedConfig, resolve
 from sim.run import simulate
 from sim.results import build_summary, format_summary, reject_lines, write_results
@@ -168,7 +168,8 @@ def _config(args: argparse.Namespace) -> SimConfig:
     """The flags' SimConfig; with --cost-model, the engine it was measured on fills the
     flags not given (a given one that differs is named in a warning)."""
     try:
-        return with_measured_engine(config_from_args(args), getattr(args, "explicit", None))
+        explicit = getattr(args, "explicit", None)
+        return with_fitting_hardware(with_measured_engine(config_from_args(args), explicit), explicit)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -96,6 +96,9 @@ class SimConfig:
     model: str = _knob(DEFAULT_MODEL, f"model spec: {', '.join(MODELS)}", metavar="NAME")
     hardware: str = _knob(DEFAULT_HARDWARE, f"accelerator: {', '.join(HARDWARE)}", metavar="NAME")
     tp: int = _knob(1, "tensor-parallel degree", type=positive_int, metavar="N")
+    enable_expert_parallel: bool = _knob(False, "mixture-of-experts models: spread whole experts over the tp GPUs "
+                                                "(expert parallelism, EP = tp) instead of a 1/tp slice of each; "
+                                                "every MoE layer then adds a dispatch and a combine all-to-all")
     pp: int = _knob(1, "pipeline stages P: the decoder layers split over P x tp GPUs, up to P batches in flight "
                        "(P > 1 runs every step one by one: no event skipping)", flag="--pipeline-parallel-size",
                     alias="--pp", type=positive_int, metavar="P")
@@ -289,3 +292,33 @@ def with_measured_engine(config: SimConfig, explicit: set[str] | None, warn=None
         (warn or (lambda m: print(m, file=sys.stderr)))(
             f"warning: simulating another engine than {config.cost_model} was measured on: " + "; ".join(differs))
     return dataclasses.replace(config, **changes)
+
+
+def with_fitting_hardware(config: SimConfig, explicit: set[str] | None, warn=None) -> SimConfig:
+    """`config` on a GPU its model fits, when --hardware was not given: the default
+    (A100-40G) where the weights leave room for KV blocks at --tp, else the first built-in GPU
+    that does (A100-80G, H100, H200), named in a note on stderr; MoE models such as
+    Qwen3-30B-A3B (57 GiB of bf16 weights) or Mixtral-8x7B (87 GiB) need one. A given
+    --hardware is kept (resolve() then says why it does not fit). `explicit` as for
+    `with_measured_engine`."""
+    given = config.hardware != DEFAULT_HARDWARE if explicit is None else "hardware" in explicit
+    if given:
+        return config
+    from sim.engine import resolve
+
+    def fits(name: str) -> bool:
+        try:
+            resolve(dataclasses.replace(config, hardware=name))
+        except ValueError:
+            return False
+        return True
+
+    if fits(config.hardware):
+        return config
+    for name in HARDWARE:
+        if name != config.hardware and not name.lower().startswith("cpu") and fits(name):
+            (warn or (lambda m: print(m, file=sys.stderr)))(
+                f"note: {config.model} does not fit {config.hardware} at tp={config.tp}; simulating {name} "
+                f"(give --hardware to choose)")
+            return dataclasses.replace(config, hardware=name)
+    return config

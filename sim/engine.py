@@ -132,7 +132,9 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     if c.allocation.lower() != "paged" and c.enable_prefix_caching:
         raise ValueError(f"allocation {c.allocation} has no prefix cache (a contiguous region per sequence, "
                          f"nothing shared): drop --enable-prefix-caching or use --allocation paged")
-    RooflineCostModel(model, hw, c.tp)         # validates tp against the model's heads
+    if c.enable_expert_parallel and c.pp > 1:
+        raise ValueError("--enable-expert-parallel prices one GPU group; drop it or --pp")
+    RooflineCostModel(model, hw, c.tp, ep=c.tp if c.enable_expert_parallel else 1)   # validates tp (and EP)
     layout = None
     if c.pp_layer_partition:
         from core.config import pipeline_stage_layers
@@ -268,7 +270,8 @@ class SimEngine:
         cfg = resolved.config
         self.trace = trace
         self.scheduler = Scheduler(resolved.scheduler, resolved.cache, resolved.policies())
-        cost_model = RooflineCostModel(resolved.model, resolved.hardware, cfg.tp)
+        cost_model = RooflineCostModel(resolved.model, resolved.hardware, cfg.tp,
+                                       ep=cfg.tp if cfg.enable_expert_parallel else 1)
         if cfg.cost_model is not None:
             cost_model = FittedCostModel.from_file(cfg.cost_model, swap_fallback=cost_model,
                                                    jitter_seed=cfg.jitter_seed)

@@ -8,6 +8,15 @@ plus a fixed per-step overhead and the tensor-parallel all-reduces.
 
 All sizes are per TP rank: ranks run in lockstep, so one rank's time is the
 step's time.
+
+Mixtures of experts (``ModelSpec.num_experts`` > 0): a token computes attention, the
+router and its top-k experts (``active_matmul_params_per_layer``); memory holds every
+expert, and a step reads the weights of the experts its batch touches, in expectation
+E * (1 - (1 - k/E)^B) per layer for B tokens (``ModelSpec.expected_experts_touched``).
+With expert parallelism (``ep`` = tp: whole experts spread over the tp GPUs instead of a
+1/tp slice of each) every MoE layer adds a dispatch and a combine all-to-all of
+B * hidden * dtype_bytes * (ep - 1) / ep bytes per rank each, over the interconnect, in
+place of the MLP's all-reduce.
 """
 
 from __future__ import annotations
@@ -111,10 +120,11 @@ class StepBreakdown:
     memory_s: float
     allreduce_s: float
     overhead_s: float
+    alltoall_s: float = 0.0  # expert parallelism's dispatch + combine (0 without EP)
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.allreduce_s + self.overhead_s
+        return max(self.compute_s, self.memory_s) + self.allreduce_s + self.alltoall_s + self.overhead_s
 
     @property
     def bound(self) -> str:
@@ -133,6 +143,23 @@ def check_tp(model: ModelSpec, tp: int) -> None:
         raise ValueError(
             f"tp={tp} does not split {model.name}'s {model.num_heads} heads / {kv} KV heads"
         )
+
+
+def check_ep(model: ModelSpec, tp: int, ep: int) -> None:
+    """Expert parallelism spreads a MoE model's whole experts over the tp GPUs (vLLM's
+    --enable-expert-parallel without data parallelism: EP size = TP size)."""
+    if ep < 1:
+        raise ValueError(f"expert-parallel size must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if not model.is_moe:
+        raise ValueError(f"expert parallelism needs a mixture of experts; {model.name} is dense")
+    if ep != tp:
+        raise ValueError(f"expert-parallel size {ep} must equal the tensor-parallel size {tp} "
+                         f"(the experts are spread over the same GPUs)")
+    if model.num_experts % ep:
+        raise ValueError(f"expert-parallel size {ep} does not divide {model.name}'s "
+                         f"{model.num_experts} experts")
 
 
 def kv_bytes_per_token_per_rank(model: ModelSpec, tp: int = 1) -> int:
@@ -159,6 +186,10 @@ class RooflineCostModel:
     new tokens, KV written for new tokens. Activations are left out: they are a few
     percent of decode traffic, and prefill is compute-bound anyway.
     TP: two ring all-reduces per layer of num_tokens * hidden values.
+    MoE: FLOPs count the active experts only; bytes stream the non-expert weights plus
+    one expert's weights per layer times the expected number of distinct experts the
+    step's new tokens touch. EP (``ep`` = tp > 1): one all-reduce per layer (attention)
+    and a dispatch + combine all-to-all of num_tokens * hidden values * (ep-1)/ep each.
 
     A pipeline stage (sim.cluster.pipeline_parallel) is priced by the same model over its own layers:
     `num_layers` of them, the LM head only if `last_stage` (the input embedding is only
@@ -180,14 +211,16 @@ class RooflineCostModel:
         *,
         num_layers: int | None = None,
         last_stage: bool = True,
+        ep: int = 1,
     ) -> None:
         check_tp(model, tp)
+        check_ep(model, tp, ep)
         for name, eff in [("compute_efficiency", compute_efficiency),
                           ("memory_efficiency", memory_efficiency),
                           ("swap_efficiency", swap_efficiency)]:
             if not 0 < eff <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {eff}")
-        self.model, self.hw, self.tp = model, hw, tp
+        self.model, self.hw, self.tp, self.ep = model, hw, tp, ep
         self.step_overhead_s = step_overhead_s
         self.swap_latency_s = swap_latency_s
 
@@ -196,37 +229,84 @@ class RooflineCostModel:
         if L < 1:
             raise ValueError(f"a stage needs at least one layer, got {L}")
         self.num_layers = L
-        self._flops_per_token = 2 * L * model.matmul_params_per_layer() / tp
+        self._flops_per_token = 2 * L * model.active_matmul_params_per_layer() / tp
         self._flops_per_seq = 2 * model.lm_head_params() / tp if last_stage else 0.0
         self._flops_per_pair = 4 * L * (model.num_heads // tp) * model.head_dim
         # Streamed weights: the layers, and on the last stage the final norm and the LM head
         # (for the whole model: every parameter but the gathered-only input embedding).
         streamed = L * model.params_per_layer()
+        if model.is_moe:  # the experts are read per step, as many as the batch touches
+            streamed -= L * model.num_experts * model.expert_params()
         if last_stage:
             streamed += (2 if model.linear_bias else 1) * model.hidden_size + model.lm_head_params()
         self._weight_bytes = streamed * model.dtype_bytes / tp
+        # One expert in every layer, per rank: a 1/tp slice of each expert, or under EP whole
+        # experts, E/ep of them per rank: the same expected bytes when ep == tp.
+        self._expert_bytes = L * model.expert_params() * model.dtype_bytes / tp if model.is_moe else 0.0
         self._kv_bytes = kv_block_bytes_per_rank(1, L, model.num_kv_heads, model.head_dim, model.dtype_bytes, tp)
+        # Sliding-window layers (a pipeline stage gets its share) attend to at most `window`
+        # tokens: their pairs and KV reads are capped (see flops / bytes_moved).
+        local = model.num_sliding_layers * L // model.num_layers
+        self._window = model.sliding_window if local else 0
+        self._fpp_local = 4 * local * (model.num_heads // tp) * model.head_dim
+        self._fpp_global = self._flops_per_pair - self._fpp_local
+        self._kv_local = kv_block_bytes_per_rank(1, local, model.num_kv_heads, model.head_dim, model.dtype_bytes, tp)
+        self._kv_global = self._kv_bytes - self._kv_local
         self._s_per_flop = 1.0 / (hw.peak_flops * compute_efficiency)
         self._s_per_byte = 1.0 / (hw.mem_bandwidth * memory_efficiency)
         self._s_per_swap_byte = 1.0 / (hw.pcie_bandwidth * swap_efficiency)
-        num_allreduces = 2 * L if tp > 1 else 0
+        # Under EP the MoE output comes back by the combine all-to-all, not an all-reduce.
+        num_allreduces = (L if ep > 1 else 2 * L) if tp > 1 else 0
         self._allreduce_fixed_s = num_allreduces * allreduce_latency_s
         ring_bytes_per_token = 2 * (tp - 1) / tp * model.hidden_size * model.dtype_bytes
         self._allreduce_s_per_token = (num_allreduces * ring_bytes_per_token
                                        / hw.interconnect_bandwidth)
+        # Dispatch + combine per MoE layer: each sends a token's hidden state to the rank of
+        # its expert, (ep-1)/ep of them off this rank under uniform routing.
+        num_alltoalls = 2 * L if ep > 1 else 0
+        self._alltoall_fixed_s = num_alltoalls * allreduce_latency_s
+        self._alltoall_s_per_token = (num_alltoalls * (ep - 1) / ep * model.hidden_size * model.dtype_bytes
+                                      / hw.interconnect_bandwidth)
 
     # --- per step --------------------------------------------------------------
 
     def flops(self, b: BatchShape) -> float:
+        if self._window:
+            # local layers: at most `window` keys per query. min(pairs, queries * window) is
+            # exact when every query is inside its window or every one is past it, and an
+            # upper bound for a mix (sum of min <= min of sums); the same for the KV reads.
+            return (self._flops_per_token * b.num_new_tokens + self._flops_per_seq * b.num_seqs
+                    + self._fpp_global * b.attn_pairs
+                    + self._fpp_local * min(b.attn_pairs, b.num_new_tokens * self._window))
         return (self._flops_per_token * b.num_new_tokens + self._flops_per_seq * b.num_seqs
                 + self._flops_per_pair * b.attn_pairs)
 
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Weight bytes one rank reads in a step over ``num_tokens`` new tokens: all of a
+        dense model's; for MoE the rest plus the experts the tokens touch (expected)."""
+        if not self._expert_bytes:
+            return self._weight_bytes
+        return self._weight_bytes + self._expert_bytes * self.model.expected_experts_touched(num_tokens)
+
     def bytes_moved(self, b: BatchShape) -> float:
         # read KV of context + new tokens, write KV of new tokens
-        return self._weight_bytes + self._kv_bytes * (b.context_sum + 2 * b.num_new_tokens)
+        if self._window:  # local layers read at most `window` tokens a sequence
+            read = min(b.context_sum + b.num_new_tokens, b.num_seqs * self._window)
+            return (self.weight_bytes_read(b.num_new_tokens) + self._kv_global * (b.context_sum + 2 * b.num_new_tokens)
+                    + self._kv_local * (read + b.num_new_tokens))
+        return self.weight_bytes_read(b.num_new_tokens) + self._kv_bytes * (b.context_sum + 2 * b.num_new_tokens)
 
     def _allreduce_s(self, num_tokens: int) -> float:
         return self._allreduce_fixed_s + self._allreduce_s_per_token * num_tokens
+
+    def _alltoall_s(self, num_tokens: int) -> float:
+        if not self._alltoall_fixed_s:
+            return 0.0
+        return self._alltoall_fixed_s + self._alltoall_s_per_token * num_tokens
+
+    def _fixed_s(self, num_tokens: int) -> float:
+        """What a step pays besides the roofline: collectives and the per-step overhead."""
+        return self._allreduce_s(num_tokens) + self._alltoall_s(num_tokens) + self.step_overhead_s
 
     def breakdown(self, b: BatchShape) -> StepBreakdown:
         flops, nbytes = self.flops(b), self.bytes_moved(b)
@@ -237,6 +317,7 @@ class RooflineCostModel:
             memory_s=nbytes * self._s_per_byte,
             allreduce_s=self._allreduce_s(b.num_new_tokens),
             overhead_s=self.step_overhead_s,
+            alltoall_s=self._alltoall_s(b.num_new_tokens),
         )
 
     def step_time(self, batch: BatchShape) -> float:
@@ -244,8 +325,7 @@ class RooflineCostModel:
             return 0.0
         compute_s = self.flops(batch) * self._s_per_flop
         memory_s = self.bytes_moved(batch) * self._s_per_byte
-        fixed_s = self._allreduce_s(batch.num_new_tokens) + self.step_overhead_s
-        return max(compute_s, memory_s) + fixed_s
+        return max(compute_s, memory_s) + self._fixed_s(batch.num_new_tokens)
 
     def swap_time(self, num_blocks: int, block_bytes: int) -> float:
         if num_blocks <= 0:
@@ -259,14 +339,34 @@ class RooflineCostModel:
 
         Step j (0-based) is ``BatchShape.decode(num_seqs, context_sum + j * num_seqs)``.
         Its compute and memory times are both affine in j, so the max switches side
-        at most once; each side is an arithmetic series.
+        at most once; each side is an arithmetic series. With sliding-window layers the
+        slopes drop once the local layers reach their window: two such spans.
         """
         if k <= 0 or num_seqs <= 0:
             return 0.0
+        per_step_fixed = self._fixed_s(num_seqs)
+        if not self._window:
+            return self._roofline_sum(num_seqs, context_sum, k, self._flops_per_pair, self._kv_bytes) \
+                + k * per_step_fixed
+        # the local layers are capped from the first step whose context_sum + n exceeds n * window
+        n, w = num_seqs, self._window
+        capped = 0 if context_sum + n > n * w else min(k, (n * w - n - context_sum) // n + 1)
+        roofline = 0.0
+        if capped:
+            roofline += self._roofline_sum(n, context_sum, capped, self._flops_per_pair, self._kv_bytes)
+        if capped < k:
+            roofline += self._roofline_sum(n, context_sum + capped * n, k - capped, self._fpp_global,
+                                           self._kv_global)
+        return roofline + k * per_step_fixed
+
+    def _roofline_sum(self, num_seqs: int, context_sum: int, k: int, flops_per_pair: float,
+                      kv_bytes: float) -> float:
+        """Sum over k decode steps of max(compute, memory), both affine in the step: the
+        pairs and KV reads grow by num_seqs a step at these per-pair and per-token rates."""
         first = self.breakdown(BatchShape.decode(num_seqs, context_sum))
         # per-step growth: n more context tokens -> n more pairs and n more KV reads
-        compute_slope = self._flops_per_pair * num_seqs * self._s_per_flop
-        memory_slope = self._kv_bytes * num_seqs * self._s_per_byte
+        compute_slope = flops_per_pair * num_seqs * self._s_per_flop
+        memory_slope = kv_bytes * num_seqs * self._s_per_byte
         c0, m0 = first.compute_s, first.memory_s
 
         # steps [0, split) take one side, [split, k) the other
@@ -286,9 +386,7 @@ class RooflineCostModel:
 
         early = (c0, compute_slope) if early_compute else (m0, memory_slope)
         late = (m0, memory_slope) if early_compute else (c0, compute_slope)
-        roofline = series(*early, 0, split) + series(*late, split, k)
-        per_step_fixed = first.allreduce_s + first.overhead_s
-        return roofline + k * per_step_fixed
+        return series(*early, 0, split) + series(*late, split, k)
 
     def decode_step_times(self, num_seqs: int, context_sum: int, k: int) -> list[float]:
         """Each of k consecutive pure-decode steps: element j is
@@ -302,11 +400,19 @@ class RooflineCostModel:
             return [0.0] * k
         n = num_seqs
         fpp, spf, spb = self._flops_per_pair, self._s_per_flop, self._s_per_byte
-        wb, kvb = self._weight_bytes, self._kv_bytes
+        wb, kvb = self.weight_bytes_read(n), self._kv_bytes
         head_flops = self._flops_per_token * n + self._flops_per_seq * n   # flops() left to right
-        fixed_s = self._allreduce_s(n) + self.step_overhead_s
+        fixed_s = self._fixed_s(n)
         out = []
         append = out.append
+        if self._window:  # flops() and bytes_moved() with local layers, term by term
+            fpg, fpl, kvg, kvl, nw = self._fpp_global, self._fpp_local, self._kv_global, self._kv_local, n * self._window
+            for ctx in range(context_sum, context_sum + k * n, n):
+                local = min(ctx + n, nw)
+                compute_s = (head_flops + fpg * (ctx + n) + fpl * local) * spf
+                memory_s = (wb + kvg * (ctx + 2 * n) + kvl * (local + n)) * spb
+                append((compute_s if compute_s >= memory_s else memory_s) + fixed_s)
+            return out
         for ctx in range(context_sum, context_sum + k * n, n):
             compute_s = (head_flops + fpp * (ctx + n)) * spf
             memory_s = (wb + kvb * (ctx + 2 * n)) * spb
@@ -331,9 +437,10 @@ def activation_peak_bytes(model: ModelSpec, num_tokens: int, tp: int = 1) -> int
 
     The MLP is the peak: residual and normed hidden states (2h) plus the MLP
     intermediates (gate_up and activation output for SwiGLU: 3f; fc1 and
-    activation output for OPT: 2f), the latter split across TP ranks.
+    activation output for OPT: 2f), the latter split across TP ranks. A MoE token
+    holds those of each of its top-k experts.
     """
-    mlp = (3 if model.gated_mlp else 2) * model.intermediate_size // tp
+    mlp = (3 if model.gated_mlp else 2) * model.intermediate_size * max(1, model.num_experts_per_tok) // tp
     return num_tokens * (2 * model.hidden_size + mlp) * model.dtype_bytes
 
 

@@ -223,3 +223,163 @@ def test_kv_capacity_is_zero_not_negative_when_only_weights_fit():
 def test_weights_too_big_is_a_clear_error():
     with pytest.raises(ValueError, match=r"OPT-175B weights need .* A100-40G"):
         kv_cache_capacity_blocks(get_model("OPT-175B"), A100_40, block_size=16)
+
+
+# --- mixtures of experts ---------------------------------------------------------------
+
+MIXTRAL = get_model("Mixtral-8x7B")
+QWEN_MOE = get_model("Qwen3-30B-A3B")
+H200 = get_hardware("H200")
+
+
+def test_moe_flops_count_the_active_experts_only():
+    """Per new token: attention, the router and k of the E experts (2 FLOPs a weight)."""
+    cm = RooflineCostModel(MIXTRAL, H200)
+    m = MIXTRAL
+    active = m.attn_params_per_layer() + m.hidden_size * 8 + 2 * 3 * m.hidden_size * m.intermediate_size
+    n = 512
+    attention = 4 * m.num_layers * m.num_heads * m.head_dim * (n * (n + 1) // 2)
+    assert cm.flops(BatchShape.prefill(n)) == pytest.approx(
+        2 * m.num_layers * active * n + 2 * m.lm_head_params() + attention, rel=1e-12)
+    # about 13B of the 47B parameters work per token
+    assert cm._flops_per_token / 2 / 1e9 == pytest.approx(12.88 - 2 * 0.131, abs=0.01)
+
+
+def test_moe_reads_the_experts_its_batch_touches():
+    """Weight bytes of a step: the non-expert weights, plus per layer one expert's bytes
+    times E * (1 - (1 - k/E)^B) for B new tokens."""
+    m = QWEN_MOE
+    cm = RooflineCostModel(m, H200)
+    rest = (m.num_params() - m.vocab_size * m.hidden_size  # embedding: gathered, not streamed
+            - m.num_layers * m.num_experts * m.expert_params()) * 2
+    expert = m.num_layers * m.expert_params() * 2
+    assert cm.weight_bytes_read(1) == pytest.approx(rest + 8 * expert)           # one token: its top-8
+    for b in (2, 16, 64):
+        touched = 128 * (1 - (1 - 8 / 128) ** b)
+        assert cm.weight_bytes_read(b) == pytest.approx(rest + touched * expert)
+        assert cm.bytes_moved(BatchShape.decode(b, 0)) == pytest.approx(
+            rest + touched * expert + cm._kv_bytes * 2 * b)
+    # a big batch reads every expert: all the streamed weights
+    assert cm.weight_bytes_read(4096) == pytest.approx(rest + 128 * expert)
+    # so a MoE decode step gets dearer with the batch well before a dense one would
+    small, big = (cm.breakdown(BatchShape.decode(b, 0)).memory_s for b in (1, 32))
+    assert big > 5 * small
+
+
+def test_moe_memory_holds_every_expert():
+    """KV capacity is what all experts' weights leave: Qwen3-30B-A3B (57 GiB) does not fit
+    an A100-40G, and on an A100-80G it leaves ~15 GiB."""
+    with pytest.raises(ValueError, match=r"Qwen3-30B-A3B weights need 56\.9 GiB"):
+        kv_cache_capacity_blocks(QWEN_MOE, A100_40, 16)
+    blocks = kv_cache_capacity_blocks(QWEN_MOE, A100_80, 16, max_num_batched_tokens=2048)
+    budget = 0.9 * 80 * 2**30 - 2 * QWEN_MOE.num_params()
+    activation = 2048 * (2 * 2048 + 3 * 768 * 8) * 2  # the top-8 experts' intermediates per token
+    assert blocks == int((budget - activation) // (16 * QWEN_MOE.kv_bytes_per_token()))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_expert_parallel_all_to_all(tp):
+    """EP = tp: two all-to-alls per layer of B*hidden*2 bytes*(ep-1)/ep, one all-reduce
+    per layer (attention) instead of two; the same FLOPs and weight bytes per rank."""
+    m, b = MIXTRAL, BatchShape.prefill(1024)
+    plain, ep = RooflineCostModel(m, H200, tp=tp), RooflineCostModel(m, H200, tp=tp, ep=tp)
+    a2a = 2 * m.num_layers * (10e-6 + 1024 * m.hidden_size * 2 * (tp - 1) / tp / H200.interconnect_bandwidth)
+    assert ep.breakdown(b).alltoall_s == pytest.approx(a2a)
+    assert plain.breakdown(b).alltoall_s == 0.0
+    assert ep.breakdown(b).allreduce_s == pytest.approx(plain.breakdown(b).allreduce_s / 2)
+    assert ep.flops(b) == plain.flops(b) and ep.bytes_moved(b) == plain.bytes_moved(b)
+    assert ep.step_time(b) == pytest.approx(ep.breakdown(b).total_s)
+
+
+def test_all_to_all_grows_with_ep_and_tokens():
+    b_small, b_big = BatchShape.decode(8, 0), BatchShape.decode(256, 0)
+    by_ep = [RooflineCostModel(MIXTRAL, H200, tp=e, ep=e).breakdown(b_big).alltoall_s for e in (2, 4, 8)]
+    assert by_ep == sorted(by_ep) and len(set(by_ep)) == 3
+    cm = RooflineCostModel(MIXTRAL, H200, tp=4, ep=4)
+    assert cm.breakdown(b_big).alltoall_s > cm.breakdown(b_small).alltoall_s > 0
+
+
+@pytest.mark.parametrize("model, tp, ep, match", [
+    ("Llama-3-8B", 2, 2, "needs a mixture of experts"),
+    ("Mixtral-8x7B", 4, 2, "must equal the tensor-parallel size 4"),
+    ("Qwen3-30B-A3B", 1, 0, "must be >= 1"),
+])
+def test_expert_parallel_is_checked(model, tp, ep, match):
+    with pytest.raises(ValueError, match=match):
+        RooflineCostModel(get_model(model), H200, tp=tp, ep=ep)
+
+
+def test_expert_parallel_must_divide_the_experts():
+    from dataclasses import replace
+    six = replace(MIXTRAL, name="Mixtral-6x7B", num_experts=6)
+    with pytest.raises(ValueError, match="does not divide Mixtral-6x7B's 6 experts"):
+        RooflineCostModel(six, H200, tp=4, ep=4)
+
+
+@pytest.mark.parametrize("model, tp, ep", [("Qwen3-30B-A3B", 1, 1), ("Mixtral-8x7B", 2, 2),
+                                           ("Qwen3-30B-A3B", 4, 4)])
+def test_moe_decode_spans_equal_step_by_step(model, tp, ep):
+    """The simulator's skip-ahead (decode_steps_time, decode_step_times) prices a MoE
+    step, its all-to-all and its batch-dependent expert reads like step_time does."""
+    cm = RooflineCostModel(get_model(model), H200, tp=tp, ep=ep)
+    for n, ctx, k in [(1, 0, 50), (7, 7 * 300, 40), (200, 200 * 900, 30)]:
+        loop = [cm.step_time(BatchShape.decode(n, ctx + j * n)) for j in range(k)]
+        assert cm.decode_step_times(n, ctx, k) == loop          # bit for bit
+        assert cm.decode_steps_time(n, ctx, k) == pytest.approx(sum(loop), rel=1e-12)
+
+
+def test_dense_models_price_as_before():
+    """Adding MoE and EP left dense pricing alone: Llama-2-13B's terms, written out."""
+    cm, b = RooflineCostModel(LLAMA13, A100_80, tp=2), BatchShape.decode(16, 16 * 700)
+    m = LLAMA13
+    flops = (2 * 40 * m.matmul_params_per_layer() / 2 * 16 + 2 * m.lm_head_params() / 2 * 16
+             + 4 * 40 * 20 * 128 * b.attn_pairs)
+    streamed = (40 * m.params_per_layer() + m.hidden_size + m.lm_head_params()) * 2 / 2
+    nbytes = streamed + 2 * 40 * 20 * 128 * 2 * (b.context_sum + 2 * 16)
+    allreduce = 80 * 10e-6 + 80 * (2 * 0.5 * 5120 * 2) * 16 / A100_80.interconnect_bandwidth
+    assert cm.flops(b) == pytest.approx(flops, rel=1e-12)
+    assert cm.bytes_moved(b) == pytest.approx(nbytes, rel=1e-12)
+    assert cm.step_time(b) == pytest.approx(
+        max(flops / (312e12 * 0.6), nbytes / (2039e9 * 0.75)) + allreduce + 2e-3, rel=1e-12)
+
+
+# --- sliding-window layers -------------------------------------------------------------
+
+GEMMA9 = get_model("Gemma-2-9B")
+
+
+def test_sliding_window_layers_read_at_most_the_window():
+    """Gemma-2-9B: 21 local layers (window 4096), 21 global. A decode batch of 4 sequences
+    at 6000 tokens reads 4 * 4096 tokens of KV in the local layers and 4 * 6001 in the
+    global ones; its attention pairs split the same way."""
+    cm, b = RooflineCostModel(GEMMA9, H200), BatchShape.decode(4, 4 * 6000)
+    per_layer_token = 2 * 8 * 256 * 2
+    kv = per_layer_token * (21 * (24_000 + 8) + 21 * (4 * 4096 + 4))    # reads + the 4 new tokens' writes
+    assert cm.bytes_moved(b) - cm.weight_bytes_read(4) == kv
+    per_layer_pair = 4 * 16 * 256
+    attention = per_layer_pair * (21 * 24_004 + 21 * 4 * 4096)
+    assert cm.flops(b) == pytest.approx(cm.flops(BatchShape.decode(4, 0)) - per_layer_pair * 42 * 4 + attention,
+                                        rel=1e-12)
+
+
+def test_within_the_window_local_layers_cost_what_global_ones_do():
+    from dataclasses import replace
+    full = replace(GEMMA9, name="Gemma-2-9B-full", sliding_window=0, num_sliding_layers=0)
+    windowed, unwindowed = RooflineCostModel(GEMMA9, H200), RooflineCostModel(full, H200)
+    inside, past = BatchShape.decode(8, 8 * 3000), BatchShape.decode(8, 8 * 7000)
+    assert windowed.step_time(inside) == unwindowed.step_time(inside)
+    assert windowed.bytes_moved(past) < unwindowed.bytes_moved(past)
+    assert windowed.flops(past) < unwindowed.flops(past)
+
+
+@pytest.mark.parametrize("model, n, start, k", [
+    ("Gemma-2-9B", 4, 4 * 4000, 300),       # crosses the 4096 window after ~95 steps
+    ("Mistral-7B-v0.1", 32, 32 * 4090, 20),  # every layer local
+    ("Phi-3-mini-4k", 1, 0, 4000),           # window 2047, from an empty context
+    ("Gemma-2-9B", 4, 4 * 5000, 50),         # already past it
+])
+def test_decode_spans_across_the_window_equal_step_by_step(model, n, start, k):
+    cm = RooflineCostModel(get_model(model), _toy_hardware(40.0))
+    loop = [cm.step_time(BatchShape.decode(n, start + j * n)) for j in range(k)]
+    assert cm.decode_step_times(n, start, k) == loop        # bit for bit
+    assert cm.decode_steps_time(n, start, k) == pytest.approx(sum(loop), rel=1e-12)
