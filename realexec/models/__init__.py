@@ -3,7 +3,7 @@ are refused and why. One line per architecture; to add a family, add its class t
 MODEL_REGISTRY (and drop its REFUSED line, if any).
 
 ModelConfig (realexec.models.config) carries the differences that do not warrant a class
-of their own: Mistral is Llama (its optional sliding window is not applied); Qwen2 is Llama
+of their own: Mistral is Llama (with its sliding window, if the config sets one); Qwen2 is Llama
 with q/k/v biases; Qwen3 is Llama with per-head q/k RMSNorm and its own head_dim; Phi-3 is
 Llama with fused qkv/gate_up tensors in the checkpoint and partial rotary.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .gemma2 import Gemma2ForCausalLM
 from .moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -21,11 +22,11 @@ MODEL_REGISTRY: dict[str, type] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,      # realexec.models.moe
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,        # realexec.models.gemma2
 }
 
 # Architectures users ask for that we refuse, with the reason (shown in the error).
 REFUSED: dict[str, str] = {
-    "Gemma2ForCausalLM": "not supported yet (logit soft-capping, alternating local/global attention)",
     "Phi3SmallForCausalLM": "not supported (Phi-3-small's block-sparse attention and GeGELU MLP differ "
                             "from Phi-3-mini/medium's Phi3ForCausalLM)",
 }

@@ -82,8 +82,19 @@ class ModelConfig:
     # All eos ids (Llama 3 instruct has several); eos_token_id is the first.
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype = torch.float32
-    # Mistral v0.1 declares one; our attention ignores it, so it only matters past it.
+    # Sliding-window attention (Mistral v0.1, Gemma 2's local layers): a query sees the
+    # last sliding_window positions, itself included; which layers: `sliding_window_for`.
     sliding_window: int | None = None
+    # Per-layer "sliding_attention" / "full_attention" where layers differ (Gemma 2
+    # alternates, Qwen2/3 window only layers >= max_window_layers); () = all alike.
+    layer_types: tuple[str, ...] = ()
+    # Gemma 2: attention scores and final logits soft-capped (x -> c * tanh(x / c)),
+    # attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, MLP
+    # activation (HF name: silu, gelu_pytorch_tanh, gelu).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
     # Qwen3: an RMSNorm over each query and key head (weights [head_dim]) before RoPE.
     qk_norm: bool = False
     # Mixture of experts (Mixtral, Qwen3-MoE; 0 experts: dense): top-k of num_experts
@@ -105,6 +116,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def sliding_window_for(self, layer: int) -> int | None:
+        """The window of (global) decoder layer `layer`, None for full attention."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     @property
     def rotary_dim(self) -> int:
@@ -153,7 +170,8 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Gemma 2's hub configs omit it; the model ties its head to the embedding.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "Gemma2ForCausalLM")),
             attention_bias=attention_bias,
             o_proj_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
@@ -165,7 +183,38 @@ class ModelConfig:
             qk_norm=arch in _QK_NORM,
             partial_rotary_factor=partial_rotary,
             **_moe_fields(d, arch),
+            **_attention_fields(d, arch, sliding),
         )
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _attention_fields(d: dict, arch: str, sliding: int | None) -> dict:
+    """layer_types, the soft caps, query_pre_attn_scalar and hidden_act (Gemma 2's,
+    and Qwen2/3's per-layer window), as transformers 5 derives them when a config.json
+    (older exports) lacks `layer_types`."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types:
+        if len(types) != n or any(t not in _LAYER_TYPES for t in types):
+            raise ValueError(f"{arch}: layer_types must list {n} of {_LAYER_TYPES}, got {types}")
+        types = tuple(types)
+    elif arch == "Gemma2ForCausalLM":        # local (sliding) first, then global, alternating
+        types = tuple(_LAYER_TYPES[i % 2] for i in range(n))
+    elif arch in _OPT_IN_WINDOW and sliding is not None:
+        first = d.get("max_window_layers", 28)
+        types = tuple(_LAYER_TYPES[0] if i >= first else _LAYER_TYPES[1] for i in range(n))
+    else:
+        types = ()
+    if sliding is not None and (isinstance(sliding, bool) or not isinstance(sliding, int) or sliding < 1):
+        raise ValueError(f"{arch}: sliding_window must be a positive integer or null, got {sliding!r}")
+    fields = dict(layer_types=types, hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu")
+    if arch == "Gemma2ForCausalLM":          # absent keys: transformers' Gemma2Config defaults
+        fields.update(attn_logit_softcapping=d.get("attn_logit_softcapping", 50.0),
+                      final_logit_softcapping=d.get("final_logit_softcapping", 30.0),
+                      query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256))
+    return fields
 
 
 def _moe_fields(d: dict, arch: str) -> dict:

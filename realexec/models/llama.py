@@ -139,12 +139,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, backend, tp: TPGroup, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads // tp.size, cfg.num_key_value_heads // tp.size, cfg.head_dim)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        # This layer's window / soft cap, passed to the backend only when set.
+        self.attn_opts = {k: v for k, v in (("sliding_window", cfg.sliding_window_for(layer_idx)),
+                                            ("logits_soft_cap", cfg.attn_logit_softcapping)) if v is not None}
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size * tp.size, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.backend = backend
@@ -162,7 +165,7 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, md, self.scale)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, md, self.scale, **self.attn_opts)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -179,10 +182,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, backend, tp: TPGroup, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, tp)
+        self.self_attn = Attention(cfg, backend, tp, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
@@ -199,6 +202,9 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer_cls = DecoderLayer
+    norm_cls = RMSNorm
+
     def __init__(self, cfg: ModelConfig, attn_backend: str | object = "torch", max_position: int | None = None,
                  tp: TPGroup | None = None, pp: PPGroup | None = None):
         super().__init__()
@@ -208,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
         backend = get_attention_backend(attn_backend) if isinstance(attn_backend, str) else attn_backend
         vocab = lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)  # noqa: E731
         self.embed_tokens = vocab() if pp.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in pp.layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
+        # decoder_layer_cls / norm_cls: hooks for families with other layers (Gemma 2)
+        self.layers = nn.ModuleList(self.decoder_layer_cls(cfg, backend, tp, i) for i in pp.layers)
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
         self.rotary_emb = RotaryEmbedding(cfg.rotary_dim, max_position or cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
         # Tied models have no lm_head (logits use the embedding matrix), unless the

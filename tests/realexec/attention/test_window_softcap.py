@@ -203,10 +203,14 @@ def test_triton_backend_without_cache_applies_the_options():
     from realexec.attention.triton_backend import TritonAttentionBackend
 
     step = Step([(0, 11), (0, 4)], padding=False)
+    dev = torch.device("cuda" if ON_GPU else "cpu")
+    md = step.md
+    md = AttentionMetadata(**{f: (getattr(md, f).to(dev) if isinstance(getattr(md, f), torch.Tensor)
+                                  else getattr(md, f)) for f in md.__dataclass_fields__})
     for window, cap in OPTIONS[2:3]:
-        got = TritonAttentionBackend().forward(step.q, step.k, step.v, None, None, step.md, step.scale,
-                                               sliding_window=window, logits_soft_cap=cap)
-        check(step, got, window, cap)
+        got = TritonAttentionBackend().forward(step.q.to(dev), step.k.to(dev), step.v.to(dev), None, None, md,
+                                               step.scale, sliding_window=window, logits_soft_cap=cap)
+        check(step, got.cpu(), window, cap, atol=1e-4 if ON_GPU else 2e-5)
 
 
 @pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
