@@ -104,3 +104,36 @@ def save_tiny_moe(path: str | Path, family: str = "mixtral", *, seed: int = 0, r
                 param.normal_(1, 0.3)             # not all ones, so a missing q/k norm shows
     hf.save_pretrained(path, safe_serialization=True)
     return hf
+
+
+def save_tiny_mistral_window(path: str | Path, *, seed: int = 0, sliding_window: int = 5, **config_overrides):
+    """A tiny random Mistral whose sliding window (5 by default) is shorter than the test
+    prompts, so attending past it changes the logits; saved to `path`, returns the HF model
+    (eager attention)."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(**{**TINY, "sliding_window": sliding_window, "tie_word_embeddings": False,
+                              **config_overrides})
+    config._attn_implementation = "eager"
+    return _save_tiny(config, path, seed)
+
+
+def save_tiny_gemma2(path: str | Path, *, seed: int = 0, **config_overrides):
+    """A tiny random Gemma 2 saved to `path`; returns the HF model (eager attention: HF's
+    sdpa path has no soft cap). Sized so each Gemma 2 feature shows in the logits: layer 0
+    local with a window of 5 (shorter than the test prompts), layer 1 global; attention and
+    final soft caps of 2 and 3 (the scores and logits of these weights are a few units);
+    query_pre_attn_scalar 24 != head_dim 16; and random norm weights (HF initializes them
+    to 0, i.e. scale 1 + 0, which would hide a missing `1 +`)."""
+    from transformers import Gemma2Config
+
+    def random_norms(hf):
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0, 0.3)
+
+    config = Gemma2Config(**{**TINY, "head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 24,
+                             "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                             "tie_word_embeddings": True, **config_overrides})
+    config._attn_implementation = "eager"
+    return _save_tiny(config, path, seed, random_norms)
