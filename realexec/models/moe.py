@@ -53,11 +53,9 @@ class Expert(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def _graph_safe() -> bool:
+def _graph_safe(x: torch.Tensor) -> bool:
     """Inside a torch.compile trace or a CUDA graph capture (no host syncs allowed)."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 class SparseMoeBlock(nn.Module):
@@ -83,7 +81,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = self.all_experts(x, weights, ids) if _graph_safe() else self.grouped(x, weights, ids)
+        out = self.all_experts(x, weights, ids) if _graph_safe(x) else self.grouped(x, weights, ids)
         return self.tp.all_reduce(out)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ def test_greedy_matches_hf_generate(tiny):
 def test_graph_safe_path_matches_hf(tiny, monkeypatch):
     """The all-experts path (what CUDA graphs and torch.compile run) through the whole model."""
     ours, hf = tiny
-    monkeypatch.setattr(moe_module, "_graph_safe", lambda: True)
+    monkeypatch.setattr(moe_module, "_graph_safe", lambda x: True)
     prompts = random_prompts(2, [7, 10], seed=6)
     got = run_step(ours, PagedKV(ours.config, num_blocks=16, block_size=4), [(f"q{i}", p, 0)
                                                                              for i, p in enumerate(prompts)])
