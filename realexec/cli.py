@@ -64,6 +64,10 @@ COMMANDS: dict[str, Command | dict] = {
                             "realexec.bench.pipeline_overlap:add_arguments", "realexec.bench.pipeline_overlap:run"),
         "kernels": Command("CUDA: Triton decode-attention bandwidth, and decode step graph vs eager",
                            "realexec.bench.graphs:add_kernels_arguments", "realexec.bench.graphs:run_kernels"),
+        "record-vllm": Command("vLLM's own scheduling decisions and step times as a step log (`sim replay` reads it)",
+                               "realexec.bench.record_vllm:add_arguments", "realexec.bench.record_vllm:run"),
+        "fit-vllm": Command("fit the simulator's step-cost model on vLLM recordings (`bench record-vllm`)",
+                            "realexec.bench.record_vllm:add_fit_arguments", "realexec.bench.record_vllm:run_fit"),
     },
 }
 

@@ -39,6 +39,7 @@ class ReplayReport:
     step_time_error: dict = field(default_factory=dict)   # per phase: relative error summary
     time_basis: str = "wall"                 # what the step times were compared with ("cpu": cpu_s)
     totals: dict = field(default_factory=dict)   # seconds over the steps: logged wall/cpu/runq, predicted
+    engine: str = ""                         # who wrote the log, which rules replayed it (_engine_line)
 
     @property
     def equal(self) -> bool:
@@ -85,6 +86,8 @@ def replay(path: str, cost_model=None, scheduler: str | None = None) -> ReplayRe
     policy_names = dict(config["policies"])
     if scheduler is not None:
         policy_names["scheduler"] = scheduler
+    elif config.get("engine") == "vllm":        # vLLM's own log (realexec bench record-vllm): its rules
+        policy_names.setdefault("scheduler", "vllm-v1")
     policies = PolicySet.from_names(**policy_names)
     scheduler = Scheduler(sched_cfg, cache_cfg, policies)
     if cost_model is None:
@@ -121,7 +124,20 @@ def replay(path: str, cost_model=None, scheduler: str | None = None) -> ReplayRe
         basis = "wall"                  # an older log without CPU seconds
     evaluator = getattr(cost_model, "evaluator", None)
     grid = evaluator.grid_step_time if evaluator is not None and "served" in evaluator.model else None
-    return _compare(steps, tap, basis, grid)
+    report = _compare(steps, tap, basis, grid)
+    report.engine = _engine_line(config, policy_names.get("scheduler", "twinserve"))
+    return report
+
+
+def _engine_line(config: dict, scheduler: str) -> str:
+    """For a vLLM recording: its engine and which core rules replayed it ("" for our logs)."""
+    v = config.get("vllm")
+    if not isinstance(v, dict):
+        return ""
+    c = config["cache"]
+    return (f"log: vLLM {v.get('version', '?')} ({c['num_gpu_blocks']} usable blocks of {c['block_size']}, "
+            f"prefix caching {'on' if c.get('enable_prefix_caching') else 'off'}, async scheduling "
+            f"{'on' if v.get('async_scheduling') else 'off'}); replayed with the {scheduler} rules")
 
 
 def _compare(steps: list[dict], tap: _Tap, basis: str = "wall", grid_time=None) -> ReplayReport:
@@ -157,8 +173,9 @@ def _compare(steps: list[dict], tap: _Tap, basis: str = "wall", grid_time=None) 
 
 
 def format_report(report: ReplayReport) -> str:
-    lines = [f"steps: {report.num_logged_steps} logged, {report.num_replayed_steps} replayed, "
-             f"{report.num_equal_steps} with equal decisions"]
+    lines = [report.engine] if report.engine else []
+    lines.append(f"steps: {report.num_logged_steps} logged, {report.num_replayed_steps} replayed, "
+                 f"{report.num_equal_steps} with equal decisions")
     if report.equal:
         lines.append("decisions: identical at every step")
     else:
@@ -193,7 +210,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="SmolLM2-135M", help="model spec for the roofline (default: %(default)s)")
     p.add_argument("--hardware", default="cpu-2core", help="hardware for the roofline (default: %(default)s)")
     p.add_argument("--scheduler", default=None, metavar="NAME",
-                   help="scheduling rules of the core: twinserve | vllm-v1 (default: the log's, else twinserve)")
+                   help="scheduling rules of the core: twinserve | vllm-v1 (default: the log's; vllm-v1 for a log of `realexec bench record-vllm`; else twinserve)")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -72,7 +72,15 @@ def add_parser(sub) -> None:
     p.add_argument("--real-runs", type=positive_int, default=2, metavar="K",
                    help="real runs; runs after the first measure run-to-run noise (default: %(default)s)")
     p.add_argument("--engine-args", default="", metavar="ARGS",
-                   help="extra flags for `realexec serve`, e.g. \"--num-gpu-blocks 200 --max-num-seqs 16\"")
+                   help="extra flags for `realexec serve` (or `vllm serve` with --real vllm), e.g. "
+                        "\"--num-gpu-blocks 200 --max-num-seqs 16\"")
+    p.add_argument("--real", choices=("twinserve", "vllm"), default="twinserve",
+                   help="the real engine: twinserve's `realexec serve`, or `vllm serve` from --vllm-python with "
+                        "its scheduler's steps recorded (simulated with the vllm-v1 rules; fit --cost-model on "
+                        "vLLM's steps: `realexec bench fit-vllm`) (default: %(default)s)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="with --real vllm: python of vLLM's venv")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="with --real vllm: the model's fp32 HF directory (`python -m realexec export-hf --out DIR`)")
     p.add_argument("--baseline-cost-model", default=None, metavar="FILE",
                    help="also simulate with this cost model (e.g. the profile before `sim calibrate`) "
                         "and report its errors next to --cost-model's")
@@ -104,8 +112,14 @@ def run_real(args, out: Path, run: int) -> tuple[Path, Path, dict]:
     log, result = out / f"real{run}.steps.jsonl", out / f"real{run}.bench.json"
     py = sys.executable
     machine: dict = {}
-    with realexec_server(["--step-log", str(log), *shlex.split(args.engine_args)],
-                         out / f"real{run}.server.log") as server:
+    if getattr(args, "real", "twinserve") == "vllm":        # vLLM, its steps recorded by its own scheduler
+        from sim.twin.vllm_serve import vllm_server
+        server_cm = vllm_server(args.vllm_python, args.model_dir, log, out / f"real{run}.server.log",
+                                shlex.split(args.engine_args))
+    else:
+        server_cm = realexec_server(["--step-log", str(log), *shlex.split(args.engine_args)],
+                                    out / f"real{run}.server.log")
+    with server_cm as server:
         machine["loadavg_1m_before"] = os.getloadavg()[0]
         server_cpu0, t0 = _process_cpu_s(server.proc.pid), time.monotonic()
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -232,6 +246,7 @@ def sim_config_from_log(config: dict, cost_model: str, jitter_seed: int | None =
                      max_model_len=s["max_model_len"], enable_chunked_prefill=s["enable_chunked_prefill"],
                      enable_prefix_caching=c["enable_prefix_caching"], watermark=c["watermark"],
                      queue=p["queue"], preemption=p["preemption"], victim=p["victim"], eviction=p["eviction"],
+                     scheduler=p.get("scheduler", "twinserve"),
                      cost_model=cost_model, jitter_seed=jitter_seed)
 
 
@@ -392,6 +407,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from core.cost.fitted import FittedCostModel, load_cost_model_file
 
     FittedCostModel.from_file(args.cost_model, None)          # a bad file fails before any server starts
+    if getattr(args, "real", "twinserve") == "vllm" and not args.reuse_real:
+        from sim.twin.vllm_serve import check_python
+        check_python(args.vllm_python)
+        if not args.model_dir or not os.path.isdir(args.model_dir):
+            raise ValueError(f"--real vllm needs --model-dir, the model's HF directory (got {args.model_dir!r})")
     if getattr(args, "baseline_cost_model", None):
         FittedCostModel.from_file(args.baseline_cost_model, None)
     model = load_cost_model_file(args.cost_model)

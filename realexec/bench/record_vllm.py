@@ -1,0 +1,181 @@
+"""`python -m realexec bench record-vllm`: vLLM's own scheduling decisions as a step log.
+
+Takes a trace slice (any traces format; prompts tokenized with SmolLM2's tokenizer unless
+the trace carries token ids), writes the requests file and runs
+`realexec/bench/peers/vllm_recorder.py` with vLLM's interpreter (--vllm-python), which
+runs vLLM's offline engine in-process with its v1 Scheduler wrapped, and writes a
+`core/cost/step_log.py` log that `python -m sim replay LOG` reads. All requests are
+submitted at once (an offline batch), greedy, EOS ignored, outputs of the trace's length
+capped at --max-tokens-cap.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RECORDER = Path(__file__).with_name("peers") / "vllm_recorder.py"
+
+
+def trace_requests(path: str, num_requests: int, skip: int = 0, cap: int | None = None, tokenizer=None
+                   ) -> list[dict]:
+    """[{"prompt_token_ids", "max_tokens"}] for requests skip..skip+num_requests-1
+    of the trace; ValueError when the trace has fewer."""
+    from traces import load_trace
+
+    trace = load_trace(path, limit=skip + num_requests)
+    reqs = list(trace.requests)[skip:]
+    if len(reqs) < num_requests:
+        raise ValueError(f"{path}: {len(reqs)} requests after skipping {skip}, {num_requests} asked for")
+    out = []
+    for r in reqs:
+        ids = r.prompt_token_ids
+        if ids is None:
+            if r.prompt is None:
+                raise ValueError(f"{path}: request {r.request_id} has neither prompt text nor token ids")
+            if tokenizer is None:
+                from traces.build import load_smollm2_tokenizer
+                tokenizer = load_smollm2_tokenizer()
+            enc = tokenizer.encode(r.prompt)
+            ids = getattr(enc, "ids", enc)
+        out.append({"prompt_token_ids": [int(t) for t in ids],
+                    "max_tokens": max(1, min(r.output_len, cap) if cap else r.output_len)})
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm-python", required=True, metavar="PATH", help="python of a venv with vLLM installed")
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="fp32 HF directory of the model (`python -m realexec export-hf --out DIR`)")
+    p.add_argument("--trace", default="traces/sharegpt.json", help="trace file (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=24, metavar="N", help="requests (default: %(default)s)")
+    p.add_argument("--skip", type=int, default=0, metavar="K", help="leave out the trace's first K requests")
+    p.add_argument("--max-tokens-cap", type=int, default=64, metavar="N",
+                   help="cap each request's output tokens (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="LOG", help="step log to write")
+    p.add_argument("--threads-bind", default="0-1",
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM's CPU backend (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up (default: %(default)s)")
+    p.add_argument("recorder_args", nargs=argparse.REMAINDER,
+                   help="after --: flags for the recorder, e.g. -- --num-gpu-blocks 64 --max-num-seqs 16")
+
+
+def run(args: argparse.Namespace) -> int:
+    from realexec.bench.peer_table import check_python, vllm_env, write_requests
+
+    python = check_python(args.vllm_python)
+    if args.num_requests < 1 or args.skip < 0 or args.max_tokens_cap < 1:
+        raise ValueError("--num-requests and --max-tokens-cap must be >= 1, --skip >= 0")
+    if not os.path.isdir(args.model_dir):
+        raise ValueError(f"--model-dir {args.model_dir}: not a directory (make one with "
+                         f"`python -m realexec export-hf --out DIR`)")
+    reqs = trace_requests(args.trace, args.num_requests, args.skip, args.max_tokens_cap)
+    extra = [a for a in args.recorder_args if a != "--"]
+    env = vllm_env(args.threads_bind, 1)     # 1 GiB of KV (vLLM otherwise wants 92% of RAM free)
+    with tempfile.TemporaryDirectory(prefix="twinserve-record-vllm-") as tmp:
+        req_file = Path(tmp) / "requests.json"
+        write_requests(req_file, [(r["prompt_token_ids"], r["max_tokens"]) for r in reqs])
+        cmd = [python, str(RECORDER), "--model", args.model_dir, "--requests", str(req_file),
+               "--out", args.out] + extra
+        try:
+            rc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"error: the vLLM recorder gave no result within {args.timeout:g} s", file=sys.stderr)
+            return 1
+    return rc
+
+
+# ----------------------------------------------------------------------------- fit on recorded steps
+
+def fit_samples(steps: list[dict]) -> list[dict]:
+    """Fit samples (core.cost.fit) from a vLLM recording's steps: `execute_s` is the model
+    run (schedule() returned -> update_from_output() called), `overhead_s` the rest of the
+    step loop: schedule, update, and the gap until the next step's schedule() (output
+    processing and detokenization in vLLM's front end: not zero, see issue 30). The last
+    step has no next one and is left out; so is a gap over 1 s (the engine sat idle)."""
+    from core.cost.fit import shape_of
+
+    out = []
+    for rec, nxt in zip(steps, steps[1:]):
+        gap = nxt["t_start"] - rec["t_end"]
+        if gap > 1.0 or gap < 0:
+            continue
+        batch = rec["decision"]["batch"]
+        seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
+        execute = rec["execute_s"]
+        overhead = rec["step_s"] - execute + gap
+        out.append({"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
+                    "execute_s": max(execute, 1e-9), "overhead_s": max(overhead, 1e-9),
+                    "step_s": rec["step_s"] + gap, "wall_execute_s": execute})
+    return out
+
+
+def fit_logs(paths: list[str], folds: int = 5) -> dict:
+    """A `twinserve-step-cost` model (what `sim run --cost-model` reads) fitted on the steps
+    of one or more vLLM recordings; ValueError when one is not a vLLM log or a phase
+    (prefill, decode) has no steps."""
+    from core.cost.fit import PHASES, check_model, fit_step_cost, phase_of
+    from core.cost.step_log import load_log
+
+    samples, configs = [], []
+    for path in paths:
+        config, _arrivals, steps, _finishes = load_log(path)
+        if config.get("engine") != "vllm":
+            raise ValueError(f"{path}: not a vLLM recording (no engine 'vllm' in its config record)")
+        samples += fit_samples(steps)
+        configs.append(config)
+    for phase in PHASES:
+        n = sum(1 for s in samples if phase_of(s["seqs"], s["tokens"]) == phase)
+        if n < folds:
+            raise ValueError(f"{', '.join(paths)}: {n} {phase} steps, the fit needs at least {folds}")
+    model = fit_step_cost(samples, k=folds)
+    sc, cc, v = configs[0]["scheduler"], configs[0]["cache"], configs[0]["vllm"]
+    model["engine"] = {"num_gpu_blocks": cc["num_gpu_blocks"], "block_size": cc["block_size"],
+                       "max_model_len": sc["max_model_len"], "max_num_seqs": sc["max_num_seqs"],
+                       "max_num_batched_tokens": sc["max_num_batched_tokens"],
+                       "enable_chunked_prefill": sc["enable_chunked_prefill"],
+                       "enable_prefix_caching": cc["enable_prefix_caching"], "watermark": 0.0, "swap_space": 0.0,
+                       "queue_policy": "fcfs", "preemption_mode": "recompute"}
+    model["profile"] = {"engine": "vllm", "vllm_version": v.get("version"), "model": v.get("model"),
+                        "time_basis": "wall", "fitted_on": [str(p) for p in paths],
+                        "commands": [c["vllm"].get("command") for c in configs]}
+    model["samples"] = samples
+    check_model(model, "the fitted vLLM model")
+    return model
+
+
+def add_fit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logs", nargs="+", metavar="LOG", help="vLLM step logs (`bench record-vllm --out`)")
+    p.add_argument("--out", required=True, metavar="FILE", help="cost-model JSON to write")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds (default: %(default)s)")
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    import json
+
+    if args.folds < 2:
+        raise ValueError(f"--folds must be >= 2, got {args.folds}")
+    model = fit_logs(args.logs, args.folds)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(model, f, indent=1)
+    print(format_fit(model))
+    print(f"fitted on {len(model['samples'])} vLLM steps; wrote {args.out}")
+    return 0
+
+
+def format_fit(model: dict) -> str:
+    """Chosen family and held-out error per part and phase, and of the whole step."""
+    lines = ["held-out relative error (k-fold over the recorded steps), chosen family:"]
+    for part, phases in model["parts"].items():
+        for phase, entry in phases.items():
+            e = entry["held_out"][entry["family"]]
+            lines.append(f"  {part:9s} {phase:8s} {entry['family']:22s} mean {e['mean'] * 100:6.2f}%  "
+                         f"p90 {e['p90'] * 100:6.2f}%  (n={e['n']})")
+    for phase, e in model["held_out_step"].items():
+        lines.append(f"  whole step {phase:8s} mean {e['mean'] * 100:.2f}%  median {e['median'] * 100:.2f}%  "
+                     f"p90 {e['p90'] * 100:.2f}%  (n={e['n']})")
+    return "\n".join(lines)

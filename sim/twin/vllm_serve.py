@@ -1,0 +1,95 @@
+"""`vllm serve` as the real side of `sim validate --real vllm`, recording its own steps.
+
+vLLM runs in its own venv (--vllm-python; never a twinserve dependency) as
+`python -m vllm.entrypoints.cli.main serve MODEL_DIR` on 127.0.0.1 at a free port. Its
+scheduler is wrapped by `realexec/bench/peers/vllm_recorder.py`, loaded by path through
+a generated `sitecustomize.py` on PYTHONPATH, so the engine-core process (whichever way
+vLLM starts it) writes a twinserve step log live: arrivals (when each request reached
+the API server), each step's decision and wall time, finishes. `sim validate` reads that
+log exactly as it reads `realexec serve --step-log`'s. Only the recorder file is shared
+with realexec, as a script path: sim never imports realexec.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from core.procs import free_port, serve_process
+
+RECORDER = Path(__file__).resolve().parents[2] / "realexec" / "bench" / "peers" / "vllm_recorder.py"
+LOG_ENV, RECORDER_ENV, COMMAND_ENV = "TWINSERVE_VLLM_STEP_LOG", "TWINSERVE_VLLM_RECORDER", "TWINSERVE_VLLM_COMMAND"
+# Loaded by every python process of vLLM's that starts with this PYTHONPATH; only one with a
+# scheduler writes. Installs an import hook: the scheduler class is patched when imported.
+SITECUSTOMIZE = f'''import os
+if os.environ.get("{LOG_ENV}"):
+    import importlib.util
+    _spec = importlib.util.spec_from_file_location("twinserve_vllm_recorder", os.environ["{RECORDER_ENV}"])
+    _mod = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+    _mod.install_on_import(os.environ["{LOG_ENV}"], os.environ.get("{COMMAND_ENV}", ""))
+'''
+# vLLM's CPU backend reserves --gpu-memory-utilization of RAM unless the KV space is given.
+DEFAULT_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def check_python(python: str | None) -> str:
+    if not python:
+        raise ValueError("--real vllm needs --vllm-python /path/to/vllm-venv/bin/python")
+    if not os.path.isfile(python) or not os.access(python, os.X_OK):
+        raise ValueError(f"--vllm-python {python}: not an executable file")
+    return python
+
+
+def vllm_serve_cmd(python: str, model_dir: str, port: int, engine_args: Sequence[str] = ()) -> list[str]:
+    for flag in ("--port", "--host"):
+        if any(a == flag or a.startswith(flag + "=") for a in engine_args):
+            raise ValueError(f"--engine-args: {flag} is chosen by validate (127.0.0.1, a free port)")
+    return [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", *engine_args]
+
+
+def _children(pid: int) -> list[int]:
+    """Descendant pids of `pid` (Linux /proc; [] elsewhere)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (OSError, ValueError):
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, model_dir: str, step_log: str | Path, log: str | Path,
+                engine_args: Sequence[str] = (), ready_timeout: float = 900.0) -> Iterator:
+    """`vllm serve` recording its steps to `step_log`, yielded (a core.procs.Server) once
+    healthy, stopped on the way out; any of its processes still alive then (the engine
+    core) are killed by pid."""
+    python = check_python(python)
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"--model-dir {model_dir}: not a directory (`python -m realexec export-hf --out DIR`)")
+    port = free_port()
+    cmd = vllm_serve_cmd(python, model_dir, port, engine_args)
+    with tempfile.TemporaryDirectory(prefix="twinserve-vllm-site-") as site:
+        Path(site, "sitecustomize.py").write_text(SITECUSTOMIZE)
+        env = {**os.environ, **{k: v for k, v in DEFAULT_ENV.items() if k not in os.environ}}
+        env.update({LOG_ENV: str(Path(step_log).resolve()), RECORDER_ENV: str(RECORDER),
+                    COMMAND_ENV: shlex.join(cmd),
+                    "PYTHONPATH": os.pathsep.join([site] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))})
+        kids: list[int] = []
+        with serve_process(cmd, port, log, ready_timeout=ready_timeout, env=env) as server:
+            try:
+                yield server
+            finally:
+                kids = _children(server.proc.pid)
+        for pid in kids:                      # the engine core outlived its API server: stop it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, 9)
