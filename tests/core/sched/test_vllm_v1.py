@@ -24,7 +24,7 @@ from sim.twin.replay import replay
 
 HERE = os.path.join(os.path.dirname(__file__), "vllm_v1")
 LOGS = ["light_threshold", "preempt_small", "prefix_hits", "preempt_prefix_cache", "queueing_preempt",
-        "full_sequence_admission", "priority_preempt"]
+        "full_sequence_admission", "priority_preempt", "sharegpt_queueing"]
 # the logs on which twinserve's own rules decide differently (first differing step)
 TWINSERVE_DIFFERS = {"light_threshold": 0, "full_sequence_admission": 5, "queueing_preempt": 103,
                      "preempt_prefix_cache": 14, "priority_preempt": 14}
@@ -40,6 +40,19 @@ def test_replay_of_vllm_scheduler_logs_is_identical_at_every_step(name):
     assert report.num_replayed_steps == report.num_logged_steps
     assert report.num_equal_steps == report.num_logged_steps, report.first_divergence
     assert report.equal
+
+
+# Recordings of real vLLM runs (the model executing: realexec/bench/peers/vllm_recorder.py),
+# committed by the recorder's tests: the targets, >= 99% of steps identical under a
+# queueing load with preemption, 100% without.
+RECORDED = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "vllm")
+
+
+@pytest.mark.parametrize("name, share", [("light", 1.0), ("preempt", 0.99)])
+def test_replay_of_recorded_vllm_runs_meets_the_targets(name, share):
+    report = replay(os.path.join(RECORDED, name + ".jsonl"), scheduler="vllm-v1")
+    assert report.num_replayed_steps == report.num_logged_steps > 0
+    assert report.num_equal_steps >= share * report.num_logged_steps, report.first_divergence
 
 
 def test_the_logs_exercise_preemption_and_prefix_hits():
@@ -58,6 +71,7 @@ def test_the_logs_exercise_preemption_and_prefix_hits():
                     admitted_at.setdefault(rid, start)
             assert admitted_at["p1"] == 16 and admitted_at["p2"] == 32 and admitted_at["p3"] == 16
     assert preemptions["queueing_preempt"] >= 10 and preemptions["priority_preempt"] >= 5
+    assert preemptions["sharegpt_queueing"] >= 10
     assert preemptions["light_threshold"] == 0
 
 
