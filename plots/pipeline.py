@@ -39,7 +39,7 @@ def run(scale: str, results: Path, log=print) -> list[dict]:
         for rate in p["rates"]:
             out = Path(results) / f"tp{tp}_pp{pp}" / f"rate{rate:g}"
             started = time.perf_counter()
-            sim("run", TRACE, *DEPLOYMENT, "--tp", tp, "--pp", pp, "--rate", rate, "--num-requests",
+            sim("run", TRACE, *DEPLOYMENT, "--tensor-parallel-size", tp, "--pipeline-parallel-size", pp, "--rate", rate, "--num-requests",
                 p["num_requests"], "--quiet", "--overwrite", "--out", out)
             summary = json.loads((out / "summary.json").read_text())
             row = {"layout": layout_name(tp, pp), "tp": tp, "pp": pp, "rate": rate,

@@ -6,11 +6,11 @@ builds them from the fields and their help strings, so adding a knob is one line
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from core import block_hasher, register_block_hasher
+from core.cli_args import add_dataclass_args, dataclass_from_args, knob
 from core.kv.block_hash import make_digest_hasher
 
 try:                                 # the core imports only the stdlib: faster hashes come from here
@@ -27,8 +27,9 @@ def _names(kind: str) -> str:
     return " | ".join(REGISTRY[kind])
 
 
-def _arg(default, help: str, **argparse_kwargs):
-    return field(default=default, metadata={"help": help, **argparse_kwargs})
+def _arg(default, help: str, **knob_kwargs):
+    """An EngineArgs field and its flag (core.cli_args.knob: the generator sim's SimConfig uses too)."""
+    return knob(default, help, group="engine", **knob_kwargs)
 
 
 # --dtype values (fp32, fp16, half, bf16: aliases); realexec.models.loader maps them to torch dtypes.
@@ -78,11 +79,12 @@ class EngineArgs:
               "fuses each layer's elementwise kernels (SmolLM2 decode step on an H100: 2.4x faster than the "
               "uncompiled graphs); compiles once per batch bucket at start-up (~5 s each), falls back to "
               "uncompiled graphs if compiling fails")
-    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (one worker each; must divide the query and KV heads)")
+    tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (one worker each; must divide the query and KV heads)",
+                                     aliases=("-tp",))
     pipeline_parallel_size: int = _arg(
         1, "pipeline stages: the decoder layers split into this many contiguous stages, each on "
            "tensor-parallel-size ranks (world size = stages x tensor-parallel size); up to this many "
-           "batches are in flight at once")
+           "batches are in flight at once", aliases=("-pp",))
     pp_layer_partition: str | None = _arg(
         None, "decoder layers per pipeline stage, comma-separated (e.g. 10,10,10: one positive entry per "
               "stage, summing to the model's layer count; default: an even split, earlier stages take "
@@ -178,31 +180,11 @@ class EngineArgs:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one --flag per EngineArgs field to `parser` (in an "engine" group)."""
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        kwargs = {"default": f.default, "help": f.metadata["help"] + (
-            f" [{f.default}]" if f.default is not None else "")}
-        if f.type in ("bool", bool):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = _FIELD_TYPES.get(f.name, str)
-        kwargs.update((k, v) for k, v in f.metadata.items() if k != "help")    # choices, metavar
-        group.add_argument(flag, dest=f.name, **kwargs)
+    """Add one --flag per EngineArgs field to `parser` (in an "engine" group; types from
+    the annotations, core.cli_args)."""
+    add_dataclass_args(parser, EngineArgs)
     return parser
 
 
-# argparse converters for the non-string fields (the annotations are strings under
-# `from __future__ import annotations`).
-_FIELD_TYPES = {
-    "block_size": int, "max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
-    "kv_cache_memory": float, "gpu_memory_utilization": float, "num_gpu_blocks": int, "swap_space": float,
-    "watermark": float, "seed": int, "cpu_threads": int,
-    "tensor_parallel_size": int, "pipeline_parallel_size": int, "ray_cpus_per_worker": float, "worker_timeout": float,
-}
-
-
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    return dataclass_from_args(EngineArgs, ns)

@@ -261,8 +261,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     resolved = _resolve(_config(args))
     trace = _load(args, args.rate, resolved.scheduler.max_model_len)
     if args.replicas > 1 or args.router or args.disaggregate:
-        if resolved.config.pp > 1:
-            raise UsageError("--pp simulates one pipelined replica; fleets (--replicas, --router, --disaggregate) "
+        if resolved.config.pipeline_parallel_size > 1:
+            raise UsageError("--pipeline-parallel-size simulates one pipelined replica; fleets (--replicas, --router, --disaggregate) "
                              "run one-stage replicas only")
         return _run_fleet(args, resolved, trace, out)
     if args.slo_ttft or args.slo_tpot:
@@ -342,7 +342,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                            ray_address=args.ray_address, desc="sweep", progress=not args.quiet)
     for (rate, (label, _)), summary in zip(itertools.product(rates, runs), summaries):
         row = {"rate": rate, "policy": label or "/".join(
-            f"{summary['config'][k]}" for k in ("queue", "preemption", "victim", "eviction"))}
+            f"{summary['config'][k]}" for k in ("queue_policy", "preemption_mode", "victim_policy", "eviction_policy"))}
         row.update({k: summary.get(k) for k in SWEEP_COLUMNS[2:]})
         extra = compare.row_from_summary(summary, rate, row["policy"])
         row.update({k: extra[k] for k in SWEEP_COLUMNS[-5:]})

@@ -1,21 +1,23 @@
 """SimConfig: every knob of a simulated deployment, and the CLI flags built from it.
 
 Each field declares its flag, help and argument type next to its default, so adding a
-knob is one line here (as `realexec/config.py` does for the real engine). Knobs both
-backends have use the real engine's flag names (`--queue-policy`, `--preemption-mode`,
-`--victim-policy`, `--eviction-policy`, `--swap-space`, `--enable-chunked-prefill`,
-...); the simulator's older spellings (`--queue`, `--preemption`, `--victim`,
-`--eviction`, `--swap-space-gib`, `--no-chunked-prefill`) still work for one release,
-hidden from --help, with a warning on stderr.
+knob is one line here; `core.cli_args` turns the fields into flags, as it does for the
+real engine's EngineArgs. A knob both backends have has the same field name and flag in
+both, vLLM's (`tensor_parallel_size`, `pipeline_parallel_size`, `queue_policy`,
+`preemption_mode`, `victim_policy`, `eviction_policy`, `swap_space`, ...; `-tp`/`-pp`
+as short spellings); the simulator's older spellings (`--tp`, `--pp`, `--queue`,
+`--preemption`, `--victim`, `--eviction`, `--swap-space-gib`, `--no-chunked-prefill`)
+still work for one release, hidden from --help, with a warning on stderr.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from policies import REGISTRY
+from core.cli_args import add_dataclass_args, dataclass_from_args, field_flag, knob
 from core.cost.specs import HARDWARE, MODELS
 
 DEFAULT_MODEL = "Llama-2-13B"
@@ -84,10 +86,11 @@ def _names(kind: str) -> str:
 
 def _knob(default, help: str, *, group: str = "deployment", flag: str | None = None, old: str | None = None,
           type=None, metavar: str | None = None, choices=None, alias: str | None = None):
-    """A SimConfig field with its flag: `flag` (default: --field-name), its argparse `type`,
-    `alias`, a short second spelling, and `old`, a deprecated spelling kept as a hidden alias."""
-    return field(default=default, metadata={"help": help, "group": group, "flag": flag, "old": old, "type": type,
-                                            "metavar": metavar, "choices": choices, "alias": alias})
+    """A SimConfig field with its flag (core.cli_args.knob): `flag` (default: --field-name),
+    its argparse `type`, `alias`, a short second spelling, and `old`, a deprecated spelling
+    kept as a hidden alias that warns."""
+    return knob(default, help, group=group, flag=flag, aliases=(alias,) if alias else (),
+                deprecated=(old,) if old else (), type=type, metavar=metavar, choices=choices)
 
 
 @dataclass
@@ -95,13 +98,14 @@ class SimConfig:
     """Everything that defines a simulated deployment (the trace is separate)."""
     model: str = _knob(DEFAULT_MODEL, f"model spec: {', '.join(MODELS)}", metavar="NAME")
     hardware: str = _knob(DEFAULT_HARDWARE, f"accelerator: {', '.join(HARDWARE)}", metavar="NAME")
-    tp: int = _knob(1, "tensor-parallel degree", type=positive_int, metavar="N")
+    tensor_parallel_size: int = _knob(1, "tensor-parallel degree", alias="-tp", old="--tp", type=positive_int,
+                                      metavar="N")
     enable_expert_parallel: bool = _knob(False, "mixture-of-experts models: spread whole experts over the tp GPUs "
                                                 "(expert parallelism, EP = tp) instead of a 1/tp slice of each; "
                                                 "every MoE layer then adds a dispatch and a combine all-to-all")
-    pp: int = _knob(1, "pipeline stages P: the decoder layers split over P x tp GPUs, up to P batches in flight "
-                       "(P > 1 runs every step one by one: no event skipping)", flag="--pipeline-parallel-size",
-                    alias="--pp", type=positive_int, metavar="P")
+    pipeline_parallel_size: int = _knob(1, "pipeline stages P: the decoder layers split over P x tp GPUs, up to P batches in flight "
+                       "(P > 1 runs every step one by one: no event skipping)", 
+                                        alias="-pp", old="--pp", type=positive_int, metavar="P")
     pp_layer_partition: str | None = _knob(None, "layers per pipeline stage, e.g. 40,40 (default: an even split, "
                                                  "the first stages taking one more)", metavar="N,N,...")
     pp_link_bandwidth: float | None = _knob(
@@ -112,8 +116,8 @@ class SimConfig:
                                        type=positive_int, metavar="N")
     gpu_memory_utilization: float = _knob(0.9, "fraction of GPU memory the engine may use", type=fraction,
                                           metavar="F")
-    swap_space_gib: float = _knob(4.0, "GiB of CPU memory per GPU for swapped-out KV blocks (0 disables swapping)",
-                                  flag="--swap-space", old="--swap-space-gib", type=nonneg_float, metavar="GIB")
+    swap_space: float = _knob(4.0, "GiB of CPU memory per GPU for swapped-out KV blocks (0 disables swapping)",
+                                  old="--swap-space-gib", type=nonneg_float, metavar="GIB")
     block_size: int = _knob(16, "tokens per KV block", type=positive_int, metavar="N")
     max_num_seqs: int = _knob(256, "most sequences running at once (the batch of one step; parallel samples and "
                                    "beams count one each)", type=positive_int, metavar="N")
@@ -128,15 +132,15 @@ class SimConfig:
                              metavar="F")
     long_prefill_token_threshold: int = _knob(0, "most prompt tokens one request computes in a step (0: no cap)",
                                               type=nonneg_int, metavar="N")
-    queue: str = _knob("fcfs", f"waiting-queue order: {_names('queue')}", group="policies", flag="--queue-policy",
+    queue_policy: str = _knob("fcfs", f"waiting-queue order: {_names('queue')}", group="policies",
                        old="--queue", choices=list(REGISTRY["queue"]), metavar="NAME")
-    preemption: str = _knob("recompute", f"preemption mode: {_names('preemption')}", group="policies",
-                            flag="--preemption-mode", old="--preemption", choices=list(REGISTRY["preemption"]),
+    preemption_mode: str = _knob("recompute", f"preemption mode: {_names('preemption')}", group="policies",
+                            old="--preemption", choices=list(REGISTRY["preemption"]),
                             metavar="NAME")
-    victim: str = _knob("newest", f"preemption victim: {_names('victim')}", group="policies",
-                        flag="--victim-policy", old="--victim", choices=list(REGISTRY["victim"]), metavar="NAME")
-    eviction: str = _knob("lru", f"cached-block eviction: {_names('eviction')}", group="policies",
-                          flag="--eviction-policy", old="--eviction", choices=list(REGISTRY["eviction"]),
+    victim_policy: str = _knob("newest", f"preemption victim: {_names('victim')}", group="policies",
+                        old="--victim", choices=list(REGISTRY["victim"]), metavar="NAME")
+    eviction_policy: str = _knob("lru", f"cached-block eviction: {_names('eviction')}", group="policies",
+                          old="--eviction", choices=list(REGISTRY["eviction"]),
                           metavar="NAME")
     scheduler: str = _knob("twinserve", "engine whose scheduling rules the core follows: twinserve, or vllm-v1 "
                                         "(vLLM v1's decisions step for step; flags not given take vLLM's defaults: "
@@ -165,46 +169,13 @@ class SimConfig:
                                        "one; slower, same results)", group="simulator")
 
 
-class _Deprecated(argparse.Action):
-    """A hidden old spelling: stores like the new flag and says so on stderr."""
-
-    def __init__(self, option_strings, dest, new: str, value=None, **kwargs):
-        self.new, self.value = new, value
-        super().__init__(option_strings, dest, nargs=0 if value is not None else None, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, self.value if self.value is not None else values)
-
-
 def add_config_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
     """One flag per SimConfig field, in groups (returned so callers can add to them)."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(SimConfig):
-        meta = f.metadata
-        group = groups.get(meta["group"])
-        if group is None:
-            group = groups[meta["group"]] = parser.add_argument_group(meta["group"])
-        flag = meta["flag"] or "--" + f.name.replace("_", "-")
-        help = meta["help"] + (f" (default: {f.default})" if f.default is not None else "")
-        if f.type in ("bool", bool):
-            group.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction,
-                               help=help)
-            if meta["old"]:                 # e.g. --no-chunked-prefill
-                group.add_argument(meta["old"], dest=f.name, action=_Deprecated, new=f"--no-{flag[2:]}",
-                                   value=not f.default, help=argparse.SUPPRESS)
-            continue
-        flags = (flag, meta["alias"]) if meta["alias"] else (flag,)
-        group.add_argument(*flags, dest=f.name, default=f.default, type=meta["type"] or str, metavar=meta["metavar"],
-                           choices=meta["choices"], help=help)
-        if meta["old"]:
-            group.add_argument(meta["old"], dest=f.name, action=_Deprecated, new=flag, type=meta["type"] or str,
-                               choices=meta["choices"], help=argparse.SUPPRESS)
-    return groups
+    return add_dataclass_args(parser, SimConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    return SimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)})
+    return dataclass_from_args(SimConfig, args)
 
 
 # -- the engine a cost model was measured on ------------------------------------------------------
@@ -212,35 +183,22 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 # field names; `sim calibrate` keeps it): with --cost-model, a run simulates that engine
 # unless a flag says otherwise.
 ENGINE_FIELDS = ("num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "enable_chunked_prefill", "enable_prefix_caching", "watermark", "swap_space_gib", "queue",
-                 "preemption", "victim", "eviction")
+                 "enable_chunked_prefill", "enable_prefix_caching", "watermark", "swap_space", "queue_policy",
+                 "preemption_mode", "victim_policy", "eviction_policy")
+# A policy kind (policies.REGISTRY, `--policies queue=sjf`) -> the SimConfig field that names it.
+POLICY_FIELDS = {"queue": "queue_policy", "preemption": "preemption_mode", "victim": "victim_policy",
+                 "eviction": "eviction_policy", "allocation": "allocation", "scheduler": "scheduler"}
 
 
 def _flag(name: str, value=None) -> str:
-    meta = SimConfig.__dataclass_fields__[name].metadata
-    flag = meta["flag"] or "--" + name.replace("_", "-")
-    if isinstance(value, bool):
-        return flag if value else f"--no-{flag[2:]}"
-    return flag if value is None else f"{flag} {value}"
+    return field_flag(SimConfig, name, value)
 
 
 def measured_engine(model: dict, where: str) -> dict:
-    """The cost model's `engine` section, checked ({} for files from before it existed)."""
-    engine = model.get("engine") if isinstance(model, dict) else None
-    if engine is None:
-        return {}
-    if not isinstance(engine, dict):
-        raise ValueError(f"{where}: its 'engine' section must be an object, got {type(engine).__name__}")
-    out = {}
-    for name in ENGINE_FIELDS:
-        if name not in engine or engine[name] is None:
-            continue
-        value, default = engine[name], SimConfig.__dataclass_fields__[name].default
-        want = bool if isinstance(default, bool) else str if isinstance(default, str) else (int, float)
-        if not isinstance(value, want) or (want == (int, float) and isinstance(value, bool)):
-            raise ValueError(f"{where}: engine.{name} = {value!r} is not a {getattr(want, '__name__', 'number')}")
-        out[name] = value
-    return out
+    """The cost model's `engine` section, checked (core.cost.schema; old key names read as
+    the new ones), by SimConfig field ({} for files from before it existed)."""
+    from core.cost.schema import engine_settings
+    return {k: v for k, v in engine_settings(model, where).items() if k in ENGINE_FIELDS}
 
 
 def with_scheduler_defaults(config: SimConfig, explicit: set[str] | None) -> SimConfig:
@@ -318,7 +276,7 @@ def with_fitting_hardware(config: SimConfig, explicit: set[str] | None, warn=Non
     for name in HARDWARE:
         if name != config.hardware and not name.lower().startswith("cpu") and fits(name):
             (warn or (lambda m: print(m, file=sys.stderr)))(
-                f"note: {config.model} does not fit {config.hardware} at tp={config.tp}; simulating {name} "
+                f"note: {config.model} does not fit {config.hardware} at tensor-parallel-size {config.tensor_parallel_size}; simulating {name} "
                 f"(give --hardware to choose)")
             return dataclasses.replace(config, hardware=name)
     return config

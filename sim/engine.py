@@ -88,7 +88,7 @@ class ResolvedConfig:
 
     def policies(self) -> PolicySet:
         c = self.config
-        return PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction,
+        return PolicySet.from_names(queue=c.queue_policy, preemption=c.preemption_mode, victim=c.victim_policy, eviction=c.eviction_policy,
                                     allocation=c.allocation, scheduler=c.scheduler)
 
     def echo(self) -> dict:
@@ -105,7 +105,7 @@ class ResolvedConfig:
 def resolve(config: SimConfig) -> ResolvedConfig:
     """Look up specs and size the KV cache; raises ValueError on any bad setting."""
     c = config
-    for name in ("tp", "pp", "block_size", "max_num_seqs"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size", "max_num_seqs"):
         if getattr(c, name) < 1:
             raise ValueError(f"{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
     if c.n < 1:
@@ -114,8 +114,8 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         raise ValueError(f"beam-width must be >= 0, got {c.beam_width}")
     if c.beam_width and c.n != 1:
         raise ValueError("beam search returns beam-width sequences; use --n 1 with --beam-width")
-    if not c.swap_space_gib >= 0:
-        raise ValueError(f"swap-space must be >= 0 GiB, got {c.swap_space_gib}")
+    if not c.swap_space >= 0:
+        raise ValueError(f"swap-space must be >= 0 GiB, got {c.swap_space}")
     if not 0.0 <= c.watermark < 1.0:
         raise ValueError(f"watermark must be in [0, 1), got {c.watermark}")
     if c.max_num_batched_tokens is not None and c.max_num_batched_tokens < 1:
@@ -123,29 +123,29 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     if c.max_model_len is not None and c.max_model_len < 2:
         raise ValueError(f"max-model-len must be >= 2, got {c.max_model_len}")
     model, hw = get_model(c.model), get_hardware(c.hardware)
-    PolicySet.from_names(queue=c.queue, preemption=c.preemption, victim=c.victim, eviction=c.eviction,
+    PolicySet.from_names(queue=c.queue_policy, preemption=c.preemption_mode, victim=c.victim_policy, eviction=c.eviction_policy,
                          allocation=c.allocation, scheduler=c.scheduler)
     if c.scheduler.lower() == "vllm-v1":
         from policies.scheduling import check_vllm_v1
-        check_vllm_v1(chunked_prefill=c.enable_chunked_prefill, preemption=c.preemption, allocation=c.allocation,
-                      pipeline_parallel_size=c.pp)
+        check_vllm_v1(chunked_prefill=c.enable_chunked_prefill, preemption=c.preemption_mode, allocation=c.allocation,
+                      pipeline_parallel_size=c.pipeline_parallel_size)
     if c.allocation.lower() != "paged" and c.enable_prefix_caching:
         raise ValueError(f"allocation {c.allocation} has no prefix cache (a contiguous region per sequence, "
                          f"nothing shared): drop --enable-prefix-caching or use --allocation paged")
-    if c.enable_expert_parallel and c.pp > 1:
+    if c.enable_expert_parallel and c.pipeline_parallel_size > 1:
         raise ValueError("--enable-expert-parallel prices one GPU group; drop it or --pp")
-    RooflineCostModel(model, hw, c.tp, ep=c.tp if c.enable_expert_parallel else 1)   # validates tp (and EP)
+    RooflineCostModel(model, hw, c.tensor_parallel_size, ep=c.tensor_parallel_size if c.enable_expert_parallel else 1)   # validates tp (and EP)
     layout = None
     if c.pp_layer_partition:
         from core.config import pipeline_stage_layers
-        pipeline_stage_layers(model.num_layers, c.pp, c.pp_layer_partition)     # names what is wrong
-    if c.pp > 1:
-        layout = PipelineLayout.of(model, hw, c.tp, c.pp, c.pp_layer_partition, c.pp_link_bandwidth)
+        pipeline_stage_layers(model.num_layers, c.pipeline_parallel_size, c.pp_layer_partition)     # names what is wrong
+    if c.pipeline_parallel_size > 1:
+        layout = PipelineLayout.of(model, hw, c.tensor_parallel_size, c.pipeline_parallel_size, c.pp_layer_partition, c.pp_link_bandwidth)
         if c.cost_model is not None:
-            raise ValueError("--cost-model prices a whole model on one GPU group; with --pp the roofline prices "
-                             "each stage: drop --cost-model or --pp")
+            raise ValueError("--cost-model prices a whole model on one GPU group; with --pipeline-parallel-size the "
+                             "roofline prices each stage: drop --cost-model or --pipeline-parallel-size")
     if c.cost_model is not None:
-        FittedCostModel.from_file(c.cost_model, RooflineCostModel(model, hw, c.tp), c.jitter_seed)   # fails early
+        FittedCostModel.from_file(c.cost_model, RooflineCostModel(model, hw, c.tensor_parallel_size), c.jitter_seed)   # fails early
     elif c.jitter_seed is not None:
         raise ValueError("--jitter-seed draws noise from a calibrated cost model's jitter section: add --cost-model")
 
@@ -164,25 +164,25 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         num_gpu_blocks = pipeline_kv_capacity_blocks(model, hw, c.block_size, c.gpu_memory_utilization, layout,
                                                      batched)
         if num_gpu_blocks < 1:
-            raise ValueError(f"{model.name} on {layout.gpus}x {hw.name} (tp={c.tp}, pp={c.pp}) leaves no memory "
+            raise ValueError(f"{model.name} on {layout.gpus}x {hw.name} (tp={c.tensor_parallel_size}, pp={c.pipeline_parallel_size}) leaves no memory "
                              f"for the KV cache at gpu-memory-utilization={c.gpu_memory_utilization}")
     else:
-        num_gpu_blocks = kv_cache_capacity_blocks(model, hw, c.block_size, c.gpu_memory_utilization, c.tp,
+        num_gpu_blocks = kv_cache_capacity_blocks(model, hw, c.block_size, c.gpu_memory_utilization, c.tensor_parallel_size,
                                                   max_num_batched_tokens=batched)
         if num_gpu_blocks < 1:
-            raise ValueError(f"{model.name} on {c.tp}x {hw.name} leaves no memory for the KV cache at "
+            raise ValueError(f"{model.name} on {c.tensor_parallel_size}x {hw.name} leaves no memory for the KV cache at "
                              f"gpu-memory-utilization={c.gpu_memory_utilization}; raise tp or pick "
                              f"larger hardware")
     max_model_len = c.max_model_len or default_max_model_len(model.max_model_len, num_gpu_blocks, c.block_size)
     if c.max_num_batched_tokens is None:
         batched = default_max_num_batched_tokens(c.enable_chunked_prefill, max_model_len)
-    block_bytes = kv_block_bytes(model, c.block_size, c.tp)
+    block_bytes = kv_block_bytes(model, c.block_size, c.tensor_parallel_size)
     if layout is not None:
         block_bytes = pipeline_block_bytes(model, c.block_size, layout)
-    num_cpu_blocks = int(c.swap_space_gib * GiB) // block_bytes
+    num_cpu_blocks = int(c.swap_space * GiB) // block_bytes
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=max_model_len, enable_chunked_prefill=c.enable_chunked_prefill,
-                            long_prefill_token_threshold=c.long_prefill_token_threshold, pipeline_parallel_size=c.pp)
+                            long_prefill_token_threshold=c.long_prefill_token_threshold, pipeline_parallel_size=c.pipeline_parallel_size)
     cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         enable_prefix_caching=c.enable_prefix_caching, watermark=c.watermark)
     cache.validate()
@@ -270,8 +270,8 @@ class SimEngine:
         cfg = resolved.config
         self.trace = trace
         self.scheduler = Scheduler(resolved.scheduler, resolved.cache, resolved.policies())
-        cost_model = RooflineCostModel(resolved.model, resolved.hardware, cfg.tp,
-                                       ep=cfg.tp if cfg.enable_expert_parallel else 1)
+        cost_model = RooflineCostModel(resolved.model, resolved.hardware, cfg.tensor_parallel_size,
+                                       ep=cfg.tensor_parallel_size if cfg.enable_expert_parallel else 1)
         if cfg.cost_model is not None:
             cost_model = FittedCostModel.from_file(cfg.cost_model, swap_fallback=cost_model,
                                                    jitter_seed=cfg.jitter_seed)

@@ -204,11 +204,11 @@ def format_summary(summary: dict) -> str:
         v = summary.get(key)
         return "-" if v is None else f"{v * 1e3:,.1f}"
 
-    pp = c.get("pp", 1)
-    gpus = f"{c['tp']}x" if pp == 1 else f"{c['tp'] * pp}x (TP{c['tp']} x PP{pp})"
+    pp, tp = c.get("pipeline_parallel_size", 1), c["tensor_parallel_size"]
+    gpus = f"{tp}x" if pp == 1 else f"{tp * pp}x (TP{tp} x PP{pp})"
     hardware = c["hardware"]
     if c.get("replicas", 1) > 1 or c.get("disaggregate"):          # a fleet (sim.cluster.fleet.fleet_summary)
-        per = c["tp"] * pp
+        per = tp * pp
         split = c.get("disaggregate")
         what = (f"{split.split(':')[0]} prefill + {split.split(':')[1]} decode replicas" if split
                 else f"{c['replicas']} replicas")
@@ -217,8 +217,8 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"{c['model']} on {gpus} {hardware}: {c['num_gpu_blocks']:,} KV blocks of {c['block_size']} "
         f"tokens, max_num_seqs={c['max_num_seqs']}, max_num_batched_tokens={c['max_num_batched_tokens']}, "
-        f"policies {c.get('allocation', 'paged')}/{c['queue']}/{c['preemption']}/{c['victim']}"
-        f"{'/prefix-cache ' + c['eviction'] if c['enable_prefix_caching'] else ''}",
+        f"policies {c.get('allocation', 'paged')}/{c['queue_policy']}/{c['preemption_mode']}/{c['victim_policy']}"
+        f"{'/prefix-cache ' + c['eviction_policy'] if c['enable_prefix_caching'] else ''}",
         f"requests     {summary['completed']:,} completed, {summary['rejected']:,} rejected "
         f"of {summary['num_requests']:,}; simulated {summary['sim_time']:,.1f} s in {summary['num_steps']:,} steps",
         f"throughput   {summary['request_throughput']:,.2f} req/s, {summary['output_throughput']:,.0f} output tok/s, "

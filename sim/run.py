@@ -11,5 +11,5 @@ from traces import Trace
 def simulate(config: SimConfig | ResolvedConfig, trace: Trace, *, progress: bool = False) -> SimResult:
     """Run `trace` on the deployment `config` and return the result."""
     resolved = config if isinstance(config, ResolvedConfig) else resolve(config)
-    engine = PipelineSimEngine if resolved.config.pp > 1 else SimEngine
+    engine = PipelineSimEngine if resolved.config.pipeline_parallel_size > 1 else SimEngine
     return engine(resolved, trace, progress=progress).run()

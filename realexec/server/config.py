@@ -6,16 +6,17 @@ from the fields' help, as EngineArgs does for the engine's knobs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from core.cli_args import add_dataclass_args, dataclass_from_args, knob
 
 API_KEY_ENV = "TWINSERVE_API_KEY"
 MiB = 1 << 20
 
 
 def _arg(default, help: str, type=None):
-    return field(default=default, metadata={"help": help, "type": type})
+    return knob(default, help, type=type)
 
 
 @dataclass
@@ -70,18 +71,9 @@ class ServerConfig:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("server limits and security")
-    for f in dataclasses.fields(ServerConfig):
-        kwargs = {"default": None if f.name == "api_key" else f.default,
-                  "help": f.metadata["help"] + (f" [{f.default}]" if f.default not in (None, False) else "")}
-        if f.type in ("bool", bool):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif f.metadata["type"] is not None:
-            kwargs["type"] = f.metadata["type"]
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+    add_dataclass_args(parser, ServerConfig, group="server limits and security")
     return parser
 
 
 def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    return ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    return dataclass_from_args(ServerConfig, ns)

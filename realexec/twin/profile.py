@@ -33,7 +33,7 @@ import sys
 import time
 
 from core import SamplingParams
-from core.cost.fit import PHASES, fit_step_cost, fit_swap_cost, phase_of, shape_of
+from core.cost.fit import PHASES, check_model, fit_step_cost, fit_swap_cost, phase_of, shape_of
 from realexec.config import add_engine_args, engine_args_from_namespace
 
 # The full grid's chunk: served prompts of a few hundred tokens are prefilled in one step
@@ -282,8 +282,8 @@ def format_report(model: dict) -> str:
 
 
 def engine_section(engine, max_num_batched_tokens: int | None) -> dict:
-    """The engine configuration `realexec serve` runs with the profile's flags (SimConfig's
-    field names; `sim run --cost-model` simulates it by default). `max_num_batched_tokens`
+    """The engine configuration `realexec serve` runs with the profile's flags (the field
+    names SimConfig and EngineArgs share; `sim run --cost-model` simulates it by default). `max_num_batched_tokens`
     is the one the flags give (None: serve's default), not the profile grid's chunk."""
     from core.config import default_max_num_batched_tokens
     sched, cache, args = engine.scheduler.config, engine.scheduler.cache_config, engine.args
@@ -293,8 +293,8 @@ def engine_section(engine, max_num_batched_tokens: int | None) -> dict:
             "max_model_len": sched.max_model_len, "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": sched.enable_chunked_prefill,
             "enable_prefix_caching": cache.enable_prefix_caching, "watermark": cache.watermark,
-            "swap_space_gib": args.swap_space, "queue": args.queue_policy, "preemption": args.preemption_mode,
-            "victim": args.victim_policy, "eviction": args.eviction_policy}
+            "swap_space": args.swap_space, "queue_policy": args.queue_policy, "preemption_mode": args.preemption_mode,
+            "victim_policy": args.victim_policy, "eviction_policy": args.eviction_policy}
 
 
 def run(args) -> int:
@@ -326,6 +326,7 @@ def run(args) -> int:
     for phase in PHASES:
         if not any(phase_of(s["seqs"], s["tokens"]) == phase for s in model["samples"]):
             raise ValueError(f"the profile has no {phase} steps")
+    check_model(model, args.out)      # the schema `--cost-model` reads (core.cost.schema): never write what it refuses
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(model, f, indent=1)

@@ -246,7 +246,7 @@ class DisaggConfig:
 
     @property
     def num_gpus(self) -> int:
-        return (self.prefill + self.decode) * self.replica.tp
+        return (self.prefill + self.decode) * self.replica.tensor_parallel_size
 
     def fleet_config(self) -> FleetConfig:
         return FleetConfig(self.replica, self.prefill + self.decode, self.router)

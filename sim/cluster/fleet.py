@@ -79,7 +79,7 @@ class FleetConfig:
 
     @property
     def num_gpus(self) -> int:
-        return self.replicas * self.replica.tp
+        return self.replicas * self.replica.tensor_parallel_size
 
 
 # Steps a replica plans when a span starts: those that start before the fleet's next

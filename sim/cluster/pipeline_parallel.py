@@ -1,6 +1,6 @@
 """Pipeline parallelism in the simulator: P stages of tp GPUs each, up to P batches in flight.
 
-    python -m sim run TRACE --model Llama-2-70B --hardware A100-80G --tp 4 --pp 2
+    python -m sim run TRACE --model Llama-2-70B --hardware A100-80G -tp 4 -pp 2
 
 Stages. The decoder layers are split into P contiguous stages (`core.config.
 pipeline_stage_layers`: even, or `--pp-layer-partition`). Each stage is priced by the
@@ -106,7 +106,7 @@ class PipelineSimEngine(SimEngine):
                  max_batches_in_flight: int | None = None):
         super().__init__(resolved, trace, progress=progress)
         cfg = resolved.config
-        self.layout = PipelineLayout.of(resolved.model, resolved.hardware, cfg.tp, cfg.pp, cfg.pp_layer_partition,
+        self.layout = PipelineLayout.of(resolved.model, resolved.hardware, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.pp_layer_partition,
                                         cfg.pp_link_bandwidth)
         fast = self.executor.fast_tokens
         self.executor = PipelineExecutor(PipelineCostModel(resolved.model, resolved.hardware, self.layout),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from policies import REGISTRY
+from sim.config import POLICY_FIELDS
 from sim.engine import SimConfig, SimResult, resolve
 from sim.run import simulate
 from sim.memory import CATEGORIES
@@ -66,9 +67,9 @@ def parse_variant(text: str) -> dict:
                                f"got {item!r}")
         if name not in REGISTRY[kind]:
             raise VariantError(f"unknown {kind} policy {name!r}; choose from: {', '.join(REGISTRY[kind])}")
-        if kind in settings:
+        if POLICY_FIELDS.get(kind, kind) in settings:
             raise VariantError(f"{text!r} names the {kind} policy twice")
-        settings[kind] = name
+        settings[POLICY_FIELDS.get(kind, kind)] = name
     return settings
 
 
@@ -136,7 +137,7 @@ def plot_comparison(rows: list[dict], plot_dir: str | Path, *, config: SimConfig
     from plots import figures      # matplotlib only when plotting
 
     plot_dir = Path(plot_dir)
-    gpus = f"{config.tp}x " if config.tp > 1 else ""
+    gpus = f"{config.tensor_parallel_size}x " if config.tensor_parallel_size > 1 else ""
     setting = f"{Path(trace).name}: {config.model} on {gpus}{config.hardware}"
     top = max(r["rate"] for r in rows)
     return [
@@ -149,9 +150,9 @@ def plot_comparison(rows: list[dict], plot_dir: str | Path, *, config: SimConfig
 
 
 def default_label(config: SimConfig) -> str:
-    parts = [config.allocation, config.queue, config.preemption, config.victim]
+    parts = [config.allocation, config.queue_policy, config.preemption_mode, config.victim_policy]
     if config.enable_prefix_caching:
-        parts.append(f"prefix-cache/{config.eviction}")
+        parts.append(f"prefix-cache/{config.eviction_policy}")
     return "/".join(parts)
 
 

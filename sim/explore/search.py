@@ -102,7 +102,7 @@ def enumerate_points(spec: SearchSpec) -> tuple[list[SearchPoint], list[tuple[Se
 
 
 def config_for(spec: SearchSpec, point: SearchPoint) -> SimConfig:
-    return replace(spec.base, tp=point.tp, max_num_seqs=point.max_num_seqs, max_num_batched_tokens=point.chunk)
+    return replace(spec.base, tensor_parallel_size=point.tp, max_num_seqs=point.max_num_seqs, max_num_batched_tokens=point.chunk)
 
 
 def probe(spec: SearchSpec, point: SearchPoint, trace: Trace, qps: float) -> tuple[bool, float, float]:

@@ -241,11 +241,12 @@ def sim_config_from_log(config: dict, cost_model: str, jitter_seed: int | None =
     model = "SmolLM2-135M"
     block_bytes = kv_block_bytes(get_model(model), c["block_size"])
     return SimConfig(model=model, hardware="cpu-2core", num_gpu_blocks=c["num_gpu_blocks"],
-                     swap_space_gib=c["num_cpu_blocks"] * block_bytes / GiB, block_size=c["block_size"],
+                     swap_space=c["num_cpu_blocks"] * block_bytes / GiB, block_size=c["block_size"],
                      max_num_seqs=s["max_num_seqs"], max_num_batched_tokens=s["max_num_batched_tokens"],
                      max_model_len=s["max_model_len"], enable_chunked_prefill=s["enable_chunked_prefill"],
                      enable_prefix_caching=c["enable_prefix_caching"], watermark=c["watermark"],
-                     queue=p["queue"], preemption=p["preemption"], victim=p["victim"], eviction=p["eviction"],
+                     queue_policy=p["queue"], preemption_mode=p["preemption"], victim_policy=p["victim"],
+                     eviction_policy=p["eviction"],
                      scheduler=p.get("scheduler", "twinserve"),
                      cost_model=cost_model, jitter_seed=jitter_seed)
 

@@ -13,6 +13,7 @@ import pytest
 from policies import REGISTRY
 from sim import SimConfig, SimEngine, resolve, simulate
 from sim.cli import main as cli_main
+from sim.config import POLICY_FIELDS
 from sim.explore.compare import parse_variant, run_grid, sharing_rows, sustainable_rate
 from sim.memory import CATEGORIES
 from sim.workloads import SYSTEM_PROMPT_BASE, ConversationTrace, apply_workload
@@ -94,7 +95,7 @@ def test_event_skipping_exact_with_memory_measurements(case, sharegpt):
     if case.startswith("orca"):
         config.allocation = case
     elif case == "paged-n2-swap":
-        config.n, config.preemption, config.num_gpu_blocks = 2, "swap", 500
+        config.n, config.preemption_mode, config.num_gpu_blocks = 2, "swap", 500
     elif case == "prefix-341":
         config.enable_prefix_caching = True
         trace = apply_workload(trace, shared_prefix_len=341)
@@ -232,7 +233,7 @@ def test_every_registry_policy_runs_end_to_end(kind, name, tmp_path):
         args += ["--n", "2"]
     assert cli_main(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["config"][kind] == name
+    assert summary["config"][POLICY_FIELDS.get(kind, kind)] == name
     assert summary["completed"] + summary["rejected"] == 40 and summary["completed"] > 30
     assert summary["memory_breakdown"]["shares"]["token_states"] > 0
 

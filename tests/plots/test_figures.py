@@ -48,7 +48,7 @@ def texts(ax) -> list[str]:
 
 
 def test_compare_plot_titles_rounded_bound_and_points_off_the_chart(drawn, tmp_path):
-    config = SimConfig(model="Llama-3-8B", hardware="H100", tp=2)
+    config = SimConfig(model="Llama-3-8B", hardware="H100", tensor_parallel_size=2)
     paths = plot_comparison(compare_rows(), tmp_path, config=config, trace="traces/azure_conv_2023.vidur.csv",
                             bound=0.10252411)
     assert [p.name for p in paths] == ["latency_vs_rate.png", "memory_breakdown.png"]

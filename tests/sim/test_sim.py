@@ -108,7 +108,7 @@ def test_event_skipping_equivalence_sharegpt(sharegpt):
 def test_event_skipping_equivalence_swap_and_fork(sharegpt):
     """Swap preemption, n=2 parallel sampling (forks, copy-on-write) and a tiny pool."""
     trace = retime(sharegpt, num_requests=150, rate=20.0)
-    config = SimConfig(num_gpu_blocks=400, preemption="swap", n=2, max_num_seqs=64)
+    config = SimConfig(num_gpu_blocks=400, preemption_mode="swap", n=2, max_num_seqs=64)
     skip, step = both_modes(config, trace)
     assert step.num_swaps > 0 and step.swap_time > 0
     assert_equivalent(skip, step)
@@ -119,7 +119,7 @@ def test_event_skipping_equivalence_samples_finishing_apart(sharegpt):
     different steps, so a span may end with one sample finishing and its sibling running
     on (spans run through finishes; the KV self-check must allow the freed blocks)."""
     trace = retime(sharegpt, num_requests=300, rate=20.0)
-    config = SimConfig(num_gpu_blocks=600, preemption="recompute", n=2, max_num_seqs=64)
+    config = SimConfig(num_gpu_blocks=600, preemption_mode="recompute", n=2, max_num_seqs=64)
     skip, step = both_modes(config, trace)
     assert step.num_preemptions > 0
     assert_equivalent(skip, step)
@@ -195,7 +195,7 @@ def test_preemption_counted_with_tiny_pool(tmp_path, sharegpt):
 
 def test_swap_mode_charges_swap_time(sharegpt):
     trace = retime(sharegpt, num_requests=80, rate=50.0)
-    swap = simulate(SimConfig(num_gpu_blocks=150, preemption="swap"), trace)
+    swap = simulate(SimConfig(num_gpu_blocks=150, preemption_mode="swap"), trace)
     assert swap.num_swaps > 0 and swap.num_swapped_blocks > 0
     model, hw = get_model("Llama-2-13B"), get_hardware("A100-40G")
     cm = RooflineCostModel(model, hw)
@@ -296,7 +296,7 @@ def test_old_flag_spellings_still_work_with_a_warning(capsys):
                                      "--victim", "least-computed", "--eviction", "lfu", "--swap-space-gib", "2",
                                      "--no-chunked-prefill"]))
     assert old == new
-    assert (new.queue, new.preemption, new.swap_space_gib, new.enable_chunked_prefill) == ("lpm", "swap", 2.0, False)
+    assert (new.queue_policy, new.preemption_mode, new.swap_space, new.enable_chunked_prefill) == ("lpm", "swap", 2.0, False)
     err = capsys.readouterr().err
     for flag, replacement in (("--queue", "--queue-policy"), ("--swap-space-gib", "--swap-space"),
                               ("--no-chunked-prefill", "--no-enable-chunked-prefill")):

@@ -92,7 +92,7 @@ def sharegpt():
 
 
 @pytest.mark.parametrize("skipping", [True, False])
-@pytest.mark.parametrize("settings", [{}, {"enable_prefix_caching": True, "preemption": "swap", "n": 2}])
+@pytest.mark.parametrize("settings", [{}, {"enable_prefix_caching": True, "preemption_mode": "swap", "n": 2}])
 def test_one_replica_fleet_is_the_single_engine(sharegpt, skipping, settings):
     config = replace(SMALL, event_skipping=skipping, **settings)
     single = simulate(resolve(config), sharegpt)
@@ -368,7 +368,7 @@ def test_outstanding_counts_waiting_and_swapped_requests_too():
     replicas are short of KV blocks, so requests wait and are swapped out."""
     from sim.cluster.fleet import Fleet
     trace = shared_prefix_trace([i % 4 for i in range(48)], [0.0 if i % 6 else 0.1 for i in range(48)], 2, 120)
-    config = replace(SMALL, num_gpu_blocks=60, max_num_seqs=8, preemption="swap")
+    config = replace(SMALL, num_gpu_blocks=60, max_num_seqs=8, preemption_mode="swap")
     counts = {}
     for skipping in (False, True):
         fleet = Fleet(FleetConfig(replace(config, event_skipping=skipping), 2, "least-requests"), trace)

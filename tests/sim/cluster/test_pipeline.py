@@ -131,16 +131,16 @@ def test_stages_and_links_serve_one_batch_at_a_time():
 def test_p1_runs_exactly_as_before(sharegpt_200):
     # --pp 1 takes the one-batch engine; the pipelined loop forced onto one stage agrees with
     # it step for step (up to float rounding of SimPy's clock).
-    cfg = SimConfig(**LLAMA70, tp=8, event_skipping=False)
+    cfg = SimConfig(**LLAMA70, tensor_parallel_size=8, event_skipping=False)
     base = simulate(cfg, sharegpt_200)
-    assert simulate(dataclasses.replace(cfg, pp=1), sharegpt_200).records == base.records
+    assert simulate(dataclasses.replace(cfg, pipeline_parallel_size=1), sharegpt_200).records == base.records
     piped = PipelineSimEngine(resolve(cfg), sharegpt_200).run()
     records_equal(piped.records, base.records)
     assert piped.num_steps == base.num_steps
 
 
 def test_p2_conserves_requests_and_tokens_under_preemption(sharegpt_200):
-    cfg = SimConfig(**LLAMA70, tp=4, pp=2, num_gpu_blocks=400, max_num_seqs=32)
+    cfg = SimConfig(**LLAMA70, tensor_parallel_size=4, pipeline_parallel_size=2, num_gpu_blocks=400, max_num_seqs=32)
     result = simulate(cfg, sharegpt_200)
     assert result.num_preemptions > 0
     assert [r.request_id for r in result.records] == [r.request_id for r in sharegpt_200.requests]
@@ -156,7 +156,7 @@ def test_p2_conserves_requests_and_tokens_under_preemption(sharegpt_200):
 def test_p_batches_in_flight_keep_every_stage_busy():
     # Compute-bound: 64 long prompts at once, one output token each, 2048-token batches.
     trace = trace_of(*[(2000, 1)] * 64)
-    cfg = resolve(SimConfig(model="Llama-2-13B", hardware="A100-80G", tp=1, pp=2, max_num_batched_tokens=2048))
+    cfg = resolve(SimConfig(model="Llama-2-13B", hardware="A100-80G", tensor_parallel_size=1, pipeline_parallel_size=2, max_num_batched_tokens=2048))
     one = PipelineSimEngine(cfg, trace, max_batches_in_flight=1).run().pipeline
     full = PipelineSimEngine(cfg, trace).run().pipeline
     assert all(b < 0.55 for b in one["stage_busy"])              # every stage idles half the time
@@ -167,7 +167,7 @@ def test_p_batches_in_flight_keep_every_stage_busy():
 
 def test_ttft_of_a_lone_request_is_the_pipeline_latency():
     trace = trace_of((500, 3))
-    resolved = resolve(SimConfig(**LLAMA70, tp=4, pp=2))
+    resolved = resolve(SimConfig(**LLAMA70, tensor_parallel_size=4, pipeline_parallel_size=2))
     rec = simulate(resolved, trace).records[0]
     pipe = PipelineCostModel(resolved.model, resolved.hardware, PipelineLayout.of(resolved.model, resolved.hardware,
                                                                                 4, 2))
@@ -182,7 +182,7 @@ def test_an_arrival_starts_a_batch_while_another_flies():
     # scheduled at once (it does not wait for r0's batch to land), and its own prefill then
     # follows r0's through the stages.
     trace = Trace([TraceRequest("r0", 0.0, 2000, 2), TraceRequest("r1", 0.001, 100, 2)], "test")
-    resolved = resolve(SimConfig(**LLAMA70, tp=4, pp=2))
+    resolved = resolve(SimConfig(**LLAMA70, tensor_parallel_size=4, pipeline_parallel_size=2))
     r0, r1 = simulate(resolved, trace).records
     assert r1.first_scheduled_time == 0.001
     assert r0.first_token_time < r1.first_token_time < r0.first_token_time + 0.5 * (r0.first_token_time - 0.0)
@@ -200,12 +200,12 @@ def test_cli_pp_end_to_end_and_errors(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "8x (TP2 x PP4) A100-80G" in proc.stdout and "stages of 20/20/20/20 layers" in proc.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["config"]["pp"] == 4 and summary["pipeline"]["gpus"] == 8
+    assert summary["config"]["pipeline_parallel_size"] == 4 and summary["pipeline"]["gpus"] == 8
     for args, msg in ((["--pp", "2", "--pp-layer-partition", "30,30"], "covers 60 layers"),
                       (["--pipeline-parallel-size", "3", "--pp-layer-partition", "40,40"], "has 2 stages"),
                       (["--pp", "0"], "must be >= 1"),
                       (["--pp", "2", "--replicas", "2"], "one pipelined replica"),
-                      (["--pp", "2", "--cost-model", "x.json"], "drop --cost-model or --pp")):
+                      (["--pp", "2", "--cost-model", "x.json"], "drop --cost-model or --pipeline-parallel-size")):
         proc = run_cli("run", "traces/sharegpt.json", "--num-requests", "5", "--model", "Llama-2-70B",
                        "--hardware", "A100-80G", "--tp", "4", "--out", str(tmp_path / "bad"), *args)
         assert proc.returncode != 0 and msg in proc.stderr, (args, proc.stderr)

@@ -28,7 +28,7 @@ def fixed_trace(n: int = 60, prompt: int = 256, out: int = 64) -> Trace:
 def decode_step(tp: int) -> float:
     """The modelled time of one decode step of a lone sequence at this TP degree."""
     one = Trace([TraceRequest("x", 0.0, 256, 64)], "one")
-    rec = simulate(resolve(SimConfig(model="Llama-3-8B", hardware="H100", tp=tp)), one).records[0]
+    rec = simulate(resolve(SimConfig(model="Llama-3-8B", hardware="H100", tensor_parallel_size=tp)), one).records[0]
     return rec.tpot
 
 
