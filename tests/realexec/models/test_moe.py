@@ -218,3 +218,16 @@ def test_tp2_and_pp2_on_mp_match_tp1(tmp_path):
             for ref_top, top in zip(ref_seq, seq):
                 assert ref_top.keys() == top.keys()
                 assert max(abs(ref_top[t] - top[t]) for t in top) < 1e-4, parallel
+
+
+def test_bf16_close_to_fp32(tiny, tmp_path):
+    """Half precision end to end (weights, routing weights, activations, KV cache) stays
+    near fp32: routing in bf16 picks the same experts for these tokens."""
+    ours, hf = tiny
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    half, _, _ = load_model(tmp_path, dtype=torch.bfloat16)
+    prompt = random_prompts(1, [9], seed=10)[0]
+    (ref,) = run_step(ours, PagedKV(ours.config, 8, 4), [("x", prompt, 0)])
+    (got,) = run_step(half, PagedKV(ours.config, 8, 4, dtype=torch.bfloat16), [("x", prompt, 0)])
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
