@@ -31,7 +31,8 @@ def _run(tmp_path: Path, *flags: str) -> dict:
 ])
 def test_without_hardware_a_model_gets_the_first_gpu_it_fits(model, tp, hardware):
     messages = []
-    config = with_fitting_hardware(SimConfig(model=model, tp=tp), {"model", "tp"}, warn=messages.append)
+    config = with_fitting_hardware(SimConfig(model=model, tensor_parallel_size=tp), {"model", "tensor_parallel_size"},
+                                   warn=messages.append)
     assert config.hardware == hardware
     assert resolve(config).cache.num_gpu_blocks > 0
     assert bool(messages) == (hardware != DEFAULT_HARDWARE)
@@ -56,16 +57,17 @@ def test_sim_run_moe_end_to_end(model, tmp_path, capsys):
 def test_expert_parallel_run_prices_the_all_to_all(tmp_path):
     """Same deployment with and without EP: EP swaps an all-reduce per layer for two
     all-to-alls of the same volume, so its steps take longer (latency terms)."""
-    base = _run(tmp_path / "tp", "--model", "Mixtral-8x7B", "--tp", "4")
-    ep = _run(tmp_path / "ep", "--model", "Mixtral-8x7B", "--tp", "4", "--enable-expert-parallel")
+    base = _run(tmp_path / "tp", "--model", "Mixtral-8x7B", "--tensor-parallel-size", "4")
+    ep = _run(tmp_path / "ep", "--model", "Mixtral-8x7B", "--tensor-parallel-size", "4", "--enable-expert-parallel")
     assert ep["config"]["enable_expert_parallel"] and not base["config"]["enable_expert_parallel"]
     assert ep["completed"] == base["completed"] == 40
     assert ep["mean_tpot"] > base["mean_tpot"]
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--model", "Llama-3-8B", "--tp", "2", "--enable-expert-parallel"], "Llama-3-8B is dense"),
-    (["--model", "Mixtral-8x7B", "--tp", "2", "--pipeline-parallel-size", "2", "--enable-expert-parallel"], "drop it or --pp"),
+    (["--model", "Llama-3-8B", "--tensor-parallel-size", "2", "--enable-expert-parallel"], "Llama-3-8B is dense"),
+    (["--model", "Mixtral-8x7B", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--enable-expert-parallel"],
+     "drop it or --pipeline-parallel-size"),
 ])
 def test_expert_parallel_misuse_is_one_line_and_exit_2(flags, needle, tmp_path, capsys):
     assert cli_main(["run", str(SHAREGPT), "--quiet", "--out", str(tmp_path / "o"), *flags]) == 2
