@@ -7,7 +7,9 @@ cache sizing, bad flag values) prints `error: ...` on stderr and exits with stat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import io
 import itertools
 import sys
 import time
@@ -184,7 +186,8 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]
     unset = object()
     fields = {f.name for f in dataclasses.fields(SimConfig)}
     ns = argparse.Namespace(**{a.dest: unset for a in sub._actions if a.dest in fields})
-    sub.parse_args(argv[1:], namespace=ns)
+    with contextlib.redirect_stderr(io.StringIO()):    # the first parse said it all (deprecated spellings)
+        sub.parse_args(argv[1:], namespace=ns)
     return {k for k, v in vars(ns).items() if v is not unset}
 
 

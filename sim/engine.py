@@ -133,7 +133,7 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         raise ValueError(f"allocation {c.allocation} has no prefix cache (a contiguous region per sequence, "
                          f"nothing shared): drop --enable-prefix-caching or use --allocation paged")
     if c.enable_expert_parallel and c.pipeline_parallel_size > 1:
-        raise ValueError("--enable-expert-parallel prices one GPU group; drop it or --pp")
+        raise ValueError("--enable-expert-parallel prices one GPU group; drop it or --pipeline-parallel-size")
     RooflineCostModel(model, hw, c.tensor_parallel_size, ep=c.tensor_parallel_size if c.enable_expert_parallel else 1)   # validates tp (and EP)
     layout = None
     if c.pp_layer_partition:

@@ -4,6 +4,7 @@ simulator and the real engine share."""
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 from dataclasses import dataclass
 
@@ -123,3 +124,16 @@ def test_the_simulators_old_flags_still_work_and_warn(old, new, field, value, ca
     config = config_from_args(p.parse_args([old, str(value)]))
     assert getattr(config, field) == value and isinstance(config, SimConfig)
     assert capsys.readouterr().err == f"warning: {old} is deprecated; use {new}\n"
+
+
+def test_sim_run_warns_once_per_old_spelling(tmp_path, capsys):
+    """`sim run` parses its flags twice (the second time to learn which were given): an old
+    spelling still warns once."""
+    from sim.cli import main
+
+    out = tmp_path / "out"
+    assert main(["run", "traces/sharegpt.json", "--num-requests", "3", "--model", "SmolLM2-135M", "--hardware",
+                 "cpu-2core", "--tp", "1", "--queue", "sjf", "--quiet", "--out", str(out)]) == 0
+    assert capsys.readouterr().err.splitlines() == ["warning: --tp is deprecated; use --tensor-parallel-size",
+                                                    "warning: --queue is deprecated; use --queue-policy"]
+    assert json.loads((out / "summary.json").read_text())["config"]["queue_policy"] == "sjf"
