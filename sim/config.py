@@ -205,12 +205,15 @@ def with_scheduler_defaults(config: SimConfig, explicit: set[str] | None) -> Sim
     """`config` with the defaults of the engine --scheduler names (policies.scheduling) for
     the fields the command line did not give (`explicit`; None: those equal to SimConfig's
     defaults count as not given)."""
-    from policies.scheduling import ENGINE_DEFAULTS, VLLM_V1_CPU_BLOCK_SIZE
+    from policies.scheduling import ENGINE_DEFAULTS, VLLM_V1_CPU_BLOCK_SIZE, scheduling_rules
     defaults = dict(ENGINE_DEFAULTS.get(config.scheduler.lower(), {}))
     if not defaults:
         return config
     if config.scheduler.lower() == "vllm-v1" and config.hardware.lower().startswith("cpu"):
         defaults["block_size"] = VLLM_V1_CPU_BLOCK_SIZE
+    victim = scheduling_rules(config.scheduler).victim_for(config.queue_policy.lower())
+    if victim:
+        defaults["victim_policy"] = victim         # the engine's own victim rule (summary shows it)
     if explicit is None:
         explicit = {f.name for f in dataclasses.fields(SimConfig) if getattr(config, f.name) != f.default}
     return dataclasses.replace(config, **{k: v for k, v in defaults.items() if k not in explicit})

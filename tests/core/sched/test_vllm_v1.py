@@ -24,7 +24,7 @@ from sim.twin.replay import replay
 
 HERE = os.path.join(os.path.dirname(__file__), "vllm_v1")
 LOGS = ["light_threshold", "preempt_small", "prefix_hits", "preempt_prefix_cache", "queueing_preempt",
-        "full_sequence_admission", "priority_preempt", "sharegpt_queueing"]
+        "full_sequence_admission", "priority_preempt", "sharegpt_queueing", "duplicate_blocks"]
 # the logs on which twinserve's own rules decide differently (first differing step)
 TWINSERVE_DIFFERS = {"light_threshold": 0, "full_sequence_admission": 5, "queueing_preempt": 103,
                      "preempt_prefix_cache": 14, "priority_preempt": 14}
@@ -230,10 +230,12 @@ def test_sim_config_takes_vllm_defaults_for_flags_not_given():
     from sim.engine import resolve
     c = with_scheduler_defaults(SimConfig(scheduler="vllm-v1", hardware="cpu-2core", model="SmolLM2-135M"),
                                 explicit={"scheduler", "hardware", "model"})
-    assert (c.watermark, c.enable_prefix_caching, c.block_size) == (0.0, True, 128)
-    kept = with_scheduler_defaults(SimConfig(scheduler="vllm-v1", watermark=0.05, block_size=16),
-                                   explicit={"scheduler", "watermark", "block_size"})
+    assert (c.watermark, c.enable_prefix_caching, c.block_size, c.victim_policy) == (0.0, True, 128, "tail")
+    kept = with_scheduler_defaults(SimConfig(scheduler="vllm-v1", watermark=0.05, block_size=16,
+                                             victim_policy="least-computed"),
+                                   explicit={"scheduler", "watermark", "block_size", "victim_policy"})
     assert (kept.watermark, kept.block_size, kept.enable_prefix_caching) == (0.05, 16, True)
+    assert kept.victim_policy == "least-computed"
     assert with_scheduler_defaults(SimConfig(), None) == SimConfig()
     mode = next(f.name for f in dataclasses.fields(SimConfig) if f.name.startswith("preemption"))
     with pytest.raises(ValueError, match="recompute only"):
