@@ -160,9 +160,14 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",      # Qwen3
+    "attn_qkv": "self_attn.qkv_proj",                                           # Phi-3 (fused)
 }
+# Phi-3's ffn_up holds gate and up stacked (HF's gate_up_proj); there is no ffn_gate.
+_GGUF_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3")}
 
 
 def gguf_content_key(gguf_path: Path) -> str:
@@ -247,6 +252,9 @@ def _write_hf_dir_from_gguf(gguf_path: Path, out: Path, announce=None) -> None:
         raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} not supported "
                          f"(supported: {sorted(_GGUF_ARCHS)})")
     names = {t.name for t in reader.tensors}
+    if "rope_factors_long.weight" in names:
+        raise ValueError(f"{gguf_path.name}: GGUF rope_factors (LongRoPE: Phi-3 128k, Phi-3.5, Phi-4-mini) are not "
+                         "supported; use a 4k Phi-3 (e.g. Phi-3-mini-4k-instruct)")
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; "
                          "load the Hugging Face directory instead")
@@ -277,8 +285,13 @@ def _write_hf_dir_from_gguf(gguf_path: Path, out: Path, announce=None) -> None:
         "torch_dtype": "float32",          # the dequantized weights we store
         "hidden_act": "silu",
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
+    rope_dims = field(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != config["head_dim"]:         # partial rotary (Phi-3 style)
+        config["partial_rotary_factor"] = rope_dims / config["head_dim"]
+    if arch == "phi3" and field(f"{arch}.attention.sliding_window"):       # Phi-3-mini-4k: 2047
+        config["sliding_window"] = field(f"{arch}.attention.sliding_window")
     if field(f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
 
@@ -287,9 +300,10 @@ def _write_hf_dir_from_gguf(gguf_path: Path, out: Path, announce=None) -> None:
         base, _, kind = t.name.rpartition(".")            # kind: weight | bias
         if base.startswith("blk."):
             _, layer, sub = base.split(".", 2)
-            if sub not in _GGUF_LAYER_NAMES:
+            names_here = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
+            if sub not in names_here:
                 raise KeyError(f"{gguf_path.name}: unexpected tensor {t.name}")
-            hf = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[sub]}.{kind}"
+            hf = f"model.layers.{layer}.{names_here[sub]}.{kind}"
         elif base in _GGUF_TOP_NAMES:
             hf = f"{_GGUF_TOP_NAMES[base]}.{kind}"
         else:

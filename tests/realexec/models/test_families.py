@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -236,3 +237,90 @@ def test_phi3_longrope_is_refused_with_the_way_out(tmp_path):
            "rope_scaling": {"type": "su", "short_factor": factors, "long_factor": factors}}
     with pytest.raises(ValueError, match=r"^Phi3ForCausalLM: rope_scaling type 'su' is not supported"):
         read_model_config(_config_dir(tmp_path / "old", old))
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_cli_generate_runs_each_family_from_a_local_hf_dir(kind, tmp_path, capsys):
+    """`python -m realexec generate --model DIR` (in process) streams HF's greedy text."""
+    from transformers import AutoTokenizer
+
+    from realexec.bench.throughput import model_dir
+    from realexec.cli import main
+
+    tok = AutoTokenizer.from_pretrained(model_dir(None))          # SmolLM2's, shipped with the package
+    hf = BUILDERS[kind](tmp_path, tokenizer=tok)
+    prompt = "The sea is"
+    assert main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--max-tokens", "8",
+                 "--ignore-eos", "--num-gpu-blocks", "64"]) == 0
+    text, finish = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    assert finish == "[finish_reason: length, 8 tokens (cut off: raise --max-tokens for more)]"
+    assert text == tok.decode(hf_greedy(hf, tok(prompt).input_ids, 8))
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+# HF tensor name (after "model.layers.N.") -> GGUF name (after "blk.N."), as llama.cpp's
+# convert_hf_to_gguf writes Qwen3 (no q/k permutation, q/k norms) and Phi-3 (fused qkv;
+# ffn_up holds gate and up stacked).
+_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+            "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+            "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_tiny_gguf(hf, path, arch: str, long_rope: bool = False) -> None:
+    import gguf
+
+    cfg = hf.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue                                    # llama.cpp writes no output tensor when tied
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gname, t.numpy().copy())
+    if long_rope:
+        w.add_tensor("rope_factors_long.weight", np.ones(head_dim // 2, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_gguf_of_each_family_matches_hf(kind, checkpoints, tmp_path):
+    """A GGUF laid out as llama.cpp writes Qwen3 / Phi-3 converts to a checkpoint with HF's logits."""
+    hf = checkpoints[kind][1]
+    write_tiny_gguf(hf, tmp_path / f"{kind}.gguf", kind)
+    ours, cfg, _ = load_model(tmp_path / f"{kind}.gguf", cache_dir=tmp_path / "cache")
+    assert (cfg.architecture, cfg.head_dim, cfg.qk_norm, cfg.rotary_dim, cfg.tie_word_embeddings) == (
+        ARCHS[kind], hf.config.head_dim if kind == "qwen3" else 16, kind == "qwen3", 32 if kind == "qwen3" else 8,
+        hf.config.tie_word_embeddings)
+    prompt = random_prompts(1, [11])[0]
+    (got,) = run_step(ours, PagedKV(ours.config, 8, 4), [("x", prompt, 0)])
+    torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_gguf_with_long_rope_factors_is_refused(checkpoints, tmp_path):
+    write_tiny_gguf(checkpoints["phi3"][1], tmp_path / "long.gguf", "phi3", long_rope=True)
+    with pytest.raises(ValueError, match=r"long\.gguf: GGUF rope_factors \(LongRoPE.*not supported; use a 4k Phi-3"):
+        load_model(tmp_path / "long.gguf", cache_dir=tmp_path / "cache")
