@@ -80,3 +80,67 @@ def save_tiny_phi3(path: str | Path, *, seed: int = 0, tokenizer=None, **config_
 
     return _save_tiny(Phi3Config(**{**TINY, "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
                                     **config_overrides}), path, seed, tokenizer=tokenizer)
+
+
+def save_tiny_moe(path: str | Path, family: str = "mixtral", *, seed: int = 0, router_std: float = 0.5,
+                  **config_overrides):
+    """Save a tiny random mixture of experts (4 experts, top-2, hidden 64, 4 query / 2 KV
+    heads, fp32) to `path` and return the HF model. family: "mixtral" (MixtralConfig) or
+    "qwen3_moe" (Qwen3MoeConfig: q/k norm, expert width 32, norm_topk_prob False). The
+    routers get N(0, router_std) weights so routing is decisive (no near-ties between experts)."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  num_experts_per_tok=2, initializer_range=0.15, tie_word_embeddings=False)
+    if family == "mixtral":
+        config = MixtralConfig(**{**common, "num_local_experts": 4, **config_overrides})
+    elif family == "qwen3_moe":
+        config = Qwen3MoeConfig(**{**common, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16,
+                                   "norm_topk_prob": False, **config_overrides})
+    else:
+        raise ValueError(f"family must be mixtral or qwen3_moe, got {family!r}")
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+                param.normal_(0, router_std)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1, 0.3)             # not all ones, so a missing q/k norm shows
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+def save_tiny_mistral_window(path: str | Path, *, seed: int = 0, sliding_window: int = 5, **config_overrides):
+    """A tiny random Mistral whose sliding window (5 by default) is shorter than the test
+    prompts, so attending past it changes the logits; saved to `path`, returns the HF model
+    (eager attention)."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(**{**TINY, "sliding_window": sliding_window, "tie_word_embeddings": False,
+                              **config_overrides})
+    config._attn_implementation = "eager"
+    return _save_tiny(config, path, seed)
+
+
+def save_tiny_gemma2(path: str | Path, *, seed: int = 0, **config_overrides):
+    """A tiny random Gemma 2 saved to `path`; returns the HF model (eager attention: HF's
+    sdpa path has no soft cap). Sized so each Gemma 2 feature shows in the logits: layer 0
+    local with a window of 5 (shorter than the test prompts), layer 1 global; attention and
+    final soft caps of 2 and 3 (the scores and logits of these weights are a few units);
+    query_pre_attn_scalar 24 != head_dim 16; and random norm weights (HF initializes them
+    to 0, i.e. scale 1 + 0, which would hide a missing `1 +`)."""
+    from transformers import Gemma2Config
+
+    def random_norms(hf):
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0, 0.3)
+
+    config = Gemma2Config(**{**TINY, "head_dim": 16, "sliding_window": 5, "query_pre_attn_scalar": 24,
+                             "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                             "tie_word_embeddings": True, **config_overrides})
+    config._attn_implementation = "eager"
+    return _save_tiny(config, path, seed, random_norms)
