@@ -191,7 +191,9 @@ def format_report(report: ReplayReport) -> str:
         lines.append(f"step time, cost model vs logged {what}, {phase:7s}: median {e['median'] * 100:.1f}%  "
                      f"p90 {e['p90'] * 100:.1f}%  mean {e['mean'] * 100:.1f}%  (n={e['n']})")
     t = report.totals
-    if t.get("wall"):
+    if t.get("wall") and t["cpu"] != t["cpu"]:          # NaN: a log without CPU seconds (vLLM's)
+        lines.append(f"sum over the steps: logged wall {t['wall']:.2f}s; predicted {t['predicted']:.2f}s")
+    elif t.get("wall"):
         lines.append(f"sum over the steps: logged wall {t['wall']:.2f}s = CPU {t['cpu']:.2f}s + waiting for a core "
                      f"{t['runq']:.2f}s + blocked {t['wall'] - t['cpu'] - t['runq']:.2f}s; predicted {t['predicted']:.2f}s"
                      + (f" (before the served calibration: {t['predicted_grid']:.2f}s)" if "predicted_grid" in t else ""))

@@ -35,18 +35,19 @@ def sched_output(new, cached, scheduled):
 
 
 def test_step_decision_reads_starts_samples_blocks_and_order():
-    # running "a" decodes, running "b" is mid-prefill, new "c" hits 32 cached tokens and
-    # finishes its prompt, new "d" starts a prompt it cannot finish
-    so = sched_output(new=[("c", 32), ("d", 0)], cached=[("a", 40), ("b", 16)],
-                      scheduled={"a": 1, "b": 16, "c": 8, "d": 100})
-    num_tokens = {"a": 41, "b": 64, "c": 40, "d": 300}
-    blocks = {"a": 3, "b": 2, "c": 3, "d": 7}
-    d = vr.step_decision(so, num_tokens, blocks, ["e", "f"], used_blocks=17)
-    assert d["batch"] == [["a", 40, 1, 1, 3], ["b", 16, 16, 0, 2], ["c", 32, 8, 1, 3], ["d", 0, 100, 0, 7]]
-    assert d["preempted"] == ["e", "f"]            # vLLM's order, not sorted
+    # running "z" decodes, running "b" is mid-prefill, new "c" hits 32 cached tokens and
+    # finishes its prompt, new "a" starts a prompt it cannot finish; vLLM scheduled them in
+    # that order (the SchedulerOutput lists new requests before running ones)
+    so = sched_output(new=[("c", 32), ("a", 0)], cached=[("z", 40), ("b", 16)],
+                      scheduled={"z": 1, "b": 16, "c": 8, "a": 100})
+    num_tokens = {"z": 41, "b": 64, "c": 40, "a": 300}
+    blocks = {"z": 3, "b": 2, "c": 3, "a": 7}
+    d = vr.step_decision(so, num_tokens, blocks, ["f", "e"], used_blocks=17)
+    assert d["batch"] == [["z", 40, 1, 1, 3], ["b", 16, 16, 0, 2], ["c", 32, 8, 1, 3], ["a", 0, 100, 0, 7]]
+    assert d["preempted"] == ["f", "e"]            # vLLM's order, not sorted
     assert (d["swap_out"], d["swap_in"], d["copy"], d["used_gpu_blocks"]) == (0, 0, 0, 17)
     extra = vr.step_extra(so, num_free_blocks=40)
-    assert extra["new"] == ["c", "d"] and extra["prefix_hits"] == {"c": 32} and extra["resumed"] == ["c"]
+    assert extra["new"] == ["c", "a"] and extra["prefix_hits"] == {"c": 32} and extra["resumed"] == ["c"]
 
 
 def test_step_decision_names_a_request_it_cannot_place():
@@ -249,6 +250,7 @@ def test_replay_of_a_vllm_recording_takes_vllms_decision_at_every_step(path):
     assert "vllm-v1 rules" in report.engine and "log: vLLM 0.32.0" in report.engine
     assert report.equal, format_report(report)
     assert report.num_equal_steps == report.num_logged_steps > 0
+    assert "nan" not in format_report(report)           # no CPU seconds in vLLM's log: no CPU split
 
 
 def altered(tmp_path, path: Path, change) -> tuple[Path, int]:
