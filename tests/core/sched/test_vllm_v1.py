@@ -242,3 +242,39 @@ def test_sim_config_takes_vllm_defaults_for_flags_not_given():
         resolve(dataclasses.replace(c, **{mode: "swap"}))
     resolved = resolve(c)
     assert resolved.policies().rules is VLLM_V1 and resolved.policies().victim.name == "tail"
+
+
+# -- the flag on the real engine -------------------------------------------------------------------
+def test_realexec_flag_validates_and_reaches_the_step_log(tmp_path):
+    """`--scheduler vllm-v1` on the real engine: bad combinations are one clear error; a
+    run under the priority policy with preemptions writes the rules in its step log, and
+    `sim replay` (taking them from the log) decides the same at every step."""
+    from core.cost.step_log import load_log
+    from realexec.config import EngineArgs
+    from realexec.engine.llm_engine import LLMEngine
+    from tests.tiny_models import save_tiny_llama
+
+    with pytest.raises(ValueError, match="always chunks prefills"):
+        EngineArgs(scheduler="vllm-v1", enable_chunked_prefill=False).validate()
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        EngineArgs(scheduler="vllm").validate()
+    save_tiny_llama(tmp_path / "m", vocab_size=256)
+    log = tmp_path / "steps.jsonl"
+    engine = LLMEngine(EngineArgs(model=str(tmp_path / "m"), block_size=4, num_gpu_blocks=16, max_model_len=64,
+                                  max_num_batched_tokens=24, swap_space=0, watermark=0.0, enable_prefix_caching=True,
+                                  queue_policy="priority", scheduler="vllm-v1", step_log=str(log)))
+    try:
+        for i in range(5):
+            engine.add_request([10 + 9 * i + j for j in range(10 + 3 * i)],
+                               SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+                               request_id=f"r{i}", priority=(i * 2) % 3)
+            engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.shutdown()
+    config, _, steps, _ = load_log(str(log))
+    assert config["policies"]["scheduler"] == "vllm-v1" and config["policies"]["victim"] == "newest"
+    assert sum(len(s["decision"]["preempted"]) for s in steps) >= 1
+    report = replay(str(log))
+    assert report.equal, report.first_divergence
