@@ -189,32 +189,33 @@ def _config_dir(tmp_path, config: dict):
     return tmp_path
 
 
-def test_refused_architectures_name_themselves_and_the_supported_list(tmp_path):
+def test_refused_architectures_name_themselves_and_the_supported_list(tmp_path, monkeypatch):
     """Loading a family we do not run fails before any weight is read: the architecture,
     the reason, and what does run."""
-    from transformers import Gemma2Config
-
-    gemma = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16).to_dict()
-    gemma["architectures"] = ["Gemma2ForCausalLM"]
-    path = _config_dir(tmp_path / "gemma2", gemma)
+    # Phi-3-small (trust_remote_code on the hub; transformers has no config class for it).
+    small = dict(architectures=["Phi3SmallForCausalLM"], model_type="phi3small", vocab_size=64, hidden_size=32,
+                 intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     supported = ", ".join(sorted(MODEL_REGISTRY))
     with pytest.raises(ValueError) as info:
-        load_model(path)
-    assert str(info.value) == f"Gemma2ForCausalLM: {REFUSED['Gemma2ForCausalLM']}; supported: {supported}"
-    assert "not supported yet" in str(info.value) and "Qwen3ForCausalLM" in str(info.value)
+        load_model(_config_dir(tmp_path / "phi3small", small))
+    assert str(info.value) == f"Phi3SmallForCausalLM: {REFUSED['Phi3SmallForCausalLM']}; supported: {supported}"
+    assert "block-sparse attention" in str(info.value) and "Qwen3ForCausalLM" in str(info.value)
 
     # An architecture nobody listed: named, with the supported list.
     with pytest.raises(ValueError, match=r"^unsupported architecture 'FalconForCausalLM'; supported: .*"
                                          r"Phi3ForCausalLM.*Qwen3ForCausalLM"):
-        read_model_config(_config_dir(tmp_path / "falcon", {**gemma, "architectures": ["FalconForCausalLM"]}))
-    # No `architectures`, a refused model_type: the same refusal as by name.
-    del gemma["architectures"]
-    with pytest.raises(ValueError, match=r"^Gemma2ForCausalLM: not supported yet"):
-        read_model_config(_config_dir(tmp_path / "gemma2-untagged", gemma))
+        read_model_config(_config_dir(tmp_path / "falcon", {**small, "architectures": ["FalconForCausalLM"]}))
+    # No `architectures`, the model_type of a refused family: the same refusal as by name
+    # (Gemma 2 as it was before it was registered).
+    monkeypatch.delitem(MODEL_REGISTRY, "Gemma2ForCausalLM", raising=False)
+    monkeypatch.setitem(REFUSED, "Gemma2ForCausalLM", "not supported yet (logit soft-capping)")
+    untagged = {k: v for k, v in small.items() if k != "architectures"} | {"model_type": "gemma2"}
+    with pytest.raises(ValueError, match=r"^Gemma2ForCausalLM: not supported yet \(logit soft-capping\); "):
+        read_model_config(_config_dir(tmp_path / "gemma2-untagged", untagged))
     for arch in REFUSED:
         with pytest.raises(ValueError, match=rf"^{arch}: "):
             check_architecture(arch)
+    monkeypatch.undo()
     for arch in MODEL_REGISTRY:
         check_architecture(arch)
 
