@@ -98,6 +98,7 @@ def replay(path: str, cost_model=None, scheduler: str | None = None) -> ReplayRe
     core = EngineCore(scheduler, tap, clock=lambda: clock[0])
 
     ai, n_arrivals = 0, len(arrivals)
+    stalled = 0
     limit = len(steps) + 1
     while ai < n_arrivals or scheduler.has_unfinished_requests():
         executed = len(tap.decisions)
@@ -118,6 +119,12 @@ def replay(path: str, cost_model=None, scheduler: str | None = None) -> ReplayRe
             clock[0] = steps[executed]["t_start"]
         core.step()
         if len(tap.decisions) > limit:
+            break
+        # Nothing ran although requests are unfinished and none arrives before the next
+        # step: the core is stuck (it would stay so: no time passes in replay); stop and
+        # report the divergence rather than spin.
+        stalled = stalled + 1 if len(tap.decisions) == executed else 0
+        if stalled >= 3:
             break
     basis = getattr(cost_model, "time_basis", "wall")
     if basis == "cpu" and not all("cpu_s" in s for s in steps):
