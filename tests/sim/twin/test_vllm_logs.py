@@ -392,3 +392,37 @@ def test_vllm_serve_command_keeps_host_and_port_its_own():
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "1234"
     with pytest.raises(ValueError, match="--port"):
         vllm_serve_cmd("/venv/bin/python", "/m", 1234, ["--port=9"])
+
+
+# ----------------------------------------------------------------------------- fitting on vLLM's steps
+
+def test_fit_samples_count_the_gap_to_the_next_step_as_overhead():
+    from realexec.bench.record_vllm import fit_samples
+
+    def step(t0, execute, step_s, batch):
+        return {"t_start": t0, "t_end": t0 + step_s, "step_s": step_s, "execute_s": execute,
+                "decision": {"batch": batch}}
+    steps = [step(0.0, 0.08, 0.1, [["a", 0, 50, 1, 1]]),
+             step(0.13, 0.02, 0.03, [["a", 50, 1, 1, 1]]),       # 0.03 s after the first ended
+             step(5.0, 0.02, 0.03, [["a", 51, 1, 1, 1]]),        # the engine sat idle before it
+             step(5.04, 0.02, 0.03, [["a", 52, 1, 1, 1]])]
+    samples = fit_samples(steps)
+    assert len(samples) == 2                     # the step before the idle gap and the last are left out
+    assert samples[0]["execute_s"] == pytest.approx(0.08) and samples[0]["overhead_s"] == pytest.approx(0.05)
+    assert (samples[0]["seqs"], samples[0]["tokens"]) == (1, 50)
+    assert samples[1]["overhead_s"] == pytest.approx(0.01 + 0.01)
+
+
+def test_fit_vllm_on_the_recordings_writes_a_cost_model_sim_reads(tmp_path):
+    from core.cost.fitted import FittedCostModel
+    from realexec.bench.record_vllm import fit_logs
+
+    model = fit_logs([str(LIGHT), str(PREEMPT)])
+    assert model["engine"]["block_size"] == 128 and model["profile"]["engine"] == "vllm"
+    path = tmp_path / "vllm-cost.json"
+    path.write_text(json.dumps(model))
+    FittedCostModel.from_file(str(path), None)         # the file `sim run --cost-model` loads
+    with pytest.raises(ValueError, match="not a vLLM recording"):
+        bad = tmp_path / "ours.jsonl"
+        bad.write_text(LIGHT.read_text().replace('"engine":"vllm",', "", 1))
+        fit_logs([str(bad)])
