@@ -36,28 +36,31 @@
 
 namespace {
 
-// x[i] = exp(x[i] - shift), vectorizable (Cephes expf: range reduction by ln2, degree-6
-// polynomial; max relative error ~2e-7). Arguments below -87.3 (-inf included) give 0.
+// exp(v), vectorizable inside an omp simd loop (Cephes expf: range reduction by ln2,
+// degree-6 polynomial; max relative error ~2e-7). Arguments below -87.3 (-inf included)
+// give 0, above 88.3 exp(88.3).
+inline float exp_poly(float v) {
+    const bool under = v < -87.3f;
+    v = std::min(std::max(v, -87.3f), 88.3f);
+    const float k = std::nearbyint(v * 1.44269504088896341f);
+    float r = v - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = (static_cast<int32_t>(k) + 127) << 23;
+    return under ? 0.0f : p * scale.f;
+}
+
+// x[i] = exp(x[i] - shift), vectorized.
 inline void exp_shifted(float* __restrict x, float shift, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-        float v = x[i] - shift;
-        const bool under = v < -87.3f;
-        v = std::min(std::max(v, -87.3f), 88.3f);
-        const float k = std::nearbyint(v * 1.44269504088896341f);
-        float r = v - k * 0.693359375f;
-        r = r - k * -2.12194440e-4f;
-        float p = 1.9875691500E-4f;
-        p = p * r + 1.3981999507E-3f;
-        p = p * r + 8.3334519073E-3f;
-        p = p * r + 4.1665795894E-2f;
-        p = p * r + 1.6666665459E-1f;
-        p = p * r + 5.0000001201E-1f;
-        p = p * r * r + r + 1.0f;
-        union { int32_t i; float f; } scale;
-        scale.i = (static_cast<int32_t>(k) + 127) << 23;
-        x[i] = under ? 0.0f : p * scale.f;
-    }
+    for (int64_t i = 0; i < n; ++i) x[i] = exp_poly(x[i] - shift);
 }
 
 // One block's scores sr[0:BS] (masked keys -inf) into one query row's online softmax: sr
@@ -150,10 +153,13 @@ struct Args {
     float* out;
 };
 
-// Soft-cap scores sr[lo, hi) in place: s -> c * tanh(s / c).
+// Soft-cap scores sr[lo, hi) in place: s -> c * tanh(s / c), vectorized as
+// tanh(y) = 1 - 2 / (exp(2y) + 1) (absolute error ~1e-7, times c; std::tanh does not
+// vectorize and made capped prefills ~2.7x slower).
 inline void soft_cap_scores(float* __restrict sr, int64_t lo, int64_t hi, float cap) {
-    const float inv = 1.0f / cap;
-    for (int64_t t = lo; t < hi; ++t) sr[t] = cap * std::tanh(sr[t] * inv);
+    const float two_inv = 2.0f / cap;
+#pragma omp simd
+    for (int64_t t = lo; t < hi; ++t) sr[t] = cap * (1.0f - 2.0f / (exp_poly(sr[t] * two_inv) + 1.0f));
 }
 
 struct Scratch {   // one per thread
