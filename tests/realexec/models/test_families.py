@@ -125,6 +125,18 @@ def test_greedy_matches_hf_generate(tiny):
     assert got == [hf_greedy(hf, p, 24) for p in prompts]
 
 
+def test_phi3_sliding_window_matches_hf(tmp_path):
+    """Phi-3's config carries a sliding window (Phi-3-mini-4k: 2047) that HF applies on
+    every layer; a window of 5, shorter than the prompts, gives HF's logits (eager
+    attention, which applies it) in one batch, in chunks and decodes, and on a prefix hit."""
+    hf = save_tiny_phi3(tmp_path, sliding_window=5)
+    hf.set_attn_implementation("eager")
+    ours, cfg, _ = load_model(tmp_path, dtype=torch.float32)
+    assert [cfg.sliding_window_for(i) for i in range(cfg.num_hidden_layers)] == [5, 5]
+    test_prefill_batch_matches_hf((ours, hf))
+    test_chunked_prefill_decodes_and_prefix_hit_match_hf((ours, hf))
+
+
 # ----------------------------------------------------------------------------- through the engine
 
 SHARED = list(range(40, 56))                        # 4 full blocks of 4: prefix-cache hits
