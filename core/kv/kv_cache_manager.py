@@ -380,6 +380,19 @@ class KVCacheManager:
         for (_, _, table), block in zip(takers, self.gpu.allocate(len(takers))):
             table.append(block)
 
+    def retract(self, seq: Sequence) -> None:
+        """The step that allocated for `seq` will not compute it after all (the scheduler took
+        its slice back; seq.num_computed_tokens is back where it was): blocks published for
+        that slice leave the prefix-cache index, so no later hit reads KV never written."""
+        full = seq.num_computed_tokens // self.block_size
+        registered = self._num_registered.get(seq.seq_id, 0)
+        table = self.tables.get(seq.seq_id)
+        if table is None or registered <= full:
+            return
+        for b in table[full:registered]:
+            self.gpu._drop_hash(b)       # (a block another table published first has no hash here)
+        self._num_registered[seq.seq_id] = full
+
     def _publish(self, seq: Sequence, table: list[int], full: int) -> None:
         """Publish the first `full` blocks of `seq` that are not yet in the cache index."""
         hashes = self._extend_hashes(seq, full)

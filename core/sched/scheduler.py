@@ -390,14 +390,16 @@ class Scheduler:
         out.num_batched_tokens += total
         return total
 
-    @staticmethod
-    def _unschedule(request: Request, out: SchedulerOutput) -> int:
+    def _unschedule(self, request: Request, out: SchedulerOutput) -> int:
         """Take `request`'s slices out of this step's batch (it is about to be preempted);
         returns the tokens they had taken from the budget."""
         kept, freed = [], 0
+        retract = getattr(self.kv, "retract", None)
         for s in out.scheduled:
             if s.seq.request is request:
                 s.seq.num_computed_tokens = s.start
+                if retract is not None:
+                    retract(s.seq)      # blocks published for the slice were never computed
                 freed += s.num_tokens
                 if s.num_tokens > 1:
                     out.num_prefill_tokens -= s.num_tokens

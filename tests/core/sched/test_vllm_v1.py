@@ -278,3 +278,23 @@ def test_realexec_flag_validates_and_reaches_the_step_log(tmp_path):
     assert sum(len(s["decision"]["preempted"]) for s in steps) >= 1
     report = replay(str(log))
     assert report.equal, report.first_divergence
+
+
+def test_a_slice_taken_back_leaves_no_uncomputed_block_in_the_prefix_cache():
+    """A slice the scheduler takes back (an already scheduled priority victim) published
+    its blocks at schedule time; their KV is never written, so `retract` drops them from
+    the cache index (vLLM 0.32 keeps them cached: a later hit would read KV never
+    computed). Blocks computed by earlier steps stay."""
+    from core.kv.kv_cache_manager import KVCacheManager
+    from policies.eviction import LRUEvictor
+    kv = KVCacheManager(4, 8, enable_prefix_caching=True, evictor=LRUEvictor())
+    seq = _req("v", 14).seqs[0]
+    assert kv.allocate_slots(seq, 4)            # step 1 computes block 0
+    seq.num_computed_tokens = 4
+    assert kv.allocate_slots(seq, 8)            # step 2 schedules blocks 1 and 2 ... then is taken back
+    assert kv.gpu.lookup(seq.block_hashes[2]) is not None
+    kv.retract(seq)                             # (num_computed_tokens is still 4)
+    assert [kv.gpu.lookup(h) is not None for h in seq.block_hashes[:3]] == [True, False, False]
+    kv.free(seq)
+    again = _req("w", 14).seqs[0]
+    assert len(kv.find_cached_prefix(again)) == 1
