@@ -98,10 +98,22 @@ def _bench(url: str, trace: str, num_requests: int, rate: float, max_tokens_cap:
     return summary
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds (/proc/PID/stat fields 14 and 15)."""
+def _cpu_seconds(pid: int | str) -> float:
+    """utime + stime of a process (or "PID/task/TID": a thread), in seconds (/proc/.../stat
+    fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """utime + stime of each thread of a process, by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = _cpu_seconds(f"{pid}/task/{task.name}")
+        except (OSError, ValueError):       # the thread ended meanwhile
+            pass
+    return out
 
 
 def _engine_flags(cost_model: str) -> list[str]:
@@ -200,19 +212,24 @@ def run_cpu(args) -> int:
             pid = server.proc.pid
             _bench(server.url, str(trace), 20, 20.0, None)            # warm-up (first requests, imports)
             load_before = _load_avg()
-            cpu0, t0 = _cpu_seconds(pid), time.monotonic()
+            threads0, cpu0, t0 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
             summary = _bench(server.url, str(trace), args.num_requests, args.rate, None)
-            cpu1, t1 = _cpu_seconds(pid), time.monotonic()
+            threads1, cpu1, t1 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
+    # where it went: the busiest threads (the event loop's HTTP work, the engine thread, ...)
+    by_thread = sorted(((threads1[t] - threads0.get(t, 0.0)) for t in threads1), reverse=True)
     wall = t1 - t0
     share = (cpu1 - cpu0) / wall
     result = {"rate": args.rate, "achieved_request_throughput": summary["request_throughput"],
               "num_requests": args.num_requests, "max_tokens": args.max_tokens, "server_flags": flags,
               "server_cpu_s": cpu1 - cpu0, "wall_s": wall, "cores": share,
+              "thread_cpu_s": [round(x, 3) for x in by_thread if x > 0],
+              "cpu_ms_per_request": (cpu1 - cpu0) / args.num_requests * 1e3,
               "median_ttft_ms": summary["median_ttft_ms"], "median_tpot_ms": summary["median_tpot_ms"],
               "loadavg": [load_before, _load_avg()]}
     print(f"simulate-cpu: {summary['request_throughput']:.1f} req/s served ({args.rate:g} offered, "
           f"{args.max_tokens} output tokens each): the server process used {cpu1 - cpu0:.2f} CPU s in "
-          f"{wall:.2f} s = {share:.1%} of a core (load {load_before[0]:.2f})")
+          f"{wall:.2f} s = {share:.1%} of a core, {(cpu1 - cpu0) / args.num_requests * 1e3:.2f} ms per request; "
+          f"busiest threads {', '.join(f'{x:.2f}' for x in by_thread[:3])} s (load {load_before[0]:.2f})")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
