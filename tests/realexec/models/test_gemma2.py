@@ -5,7 +5,7 @@ layer 1 global, attention / final soft caps 2 and 3, query_pre_attn_scalar 24, r
 norm weights) saved with save_pretrained: our paged model's logits agree with HF's eager
 attention within fp32 tolerance in one batch, in chunked prefills mixed with decodes and
 after a prefix-cache hit, greedy tokens equal HF `generate`, with each attention backend
-(Triton under TRITON_INTERPRET=1) and through the engine.
+(Triton under TRITON_INTERPRET=1) and through the engine, also with TP=2 on `mp`.
 """
 import json
 import os
@@ -101,6 +101,13 @@ def test_greedy_matches_hf_generate(backend, checkpoint):
 
 def test_engine_greedy_matches_hf_generate(checkpoint):
     check_engine(*checkpoint)
+
+
+def test_tp2_mp_greedy_matches_hf_generate(checkpoint):
+    """Tensor parallelism on the mp executor (2 ranks, a KV head each): the scaled
+    vocab-parallel embedding, the post-norms over all-reduced sublayer outputs and the
+    final soft cap on the gathered logits give HF's greedy tokens."""
+    check_engine(*checkpoint, tensor_parallel_size=2, distributed_executor_backend="mp")
 
 
 def test_no_cache_prefill_matches_hf(checkpoint):

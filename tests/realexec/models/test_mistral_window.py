@@ -84,16 +84,19 @@ ENGINE = dict(block_size=4, num_gpu_blocks=128, swap_space=0.002, max_num_batche
               enable_prefix_caching=True)
 
 
-def check_engine(path, hf):
+def check_engine(path, hf, **engine_args):
     """LLM (CPU default backend) with chunked prefill and prefix caching: HF's greedy
     tokens; the shared prompts run after the first finishes, so they hit its blocks."""
     from realexec import LLM
 
-    llm = LLM(model=str(path), **ENGINE)
-    hits0 = llm.engine.scheduler.kv.stats().prefix_cache_hits
-    outs = llm.generate(PROMPTS[:1], GREEDY) + llm.generate(PROMPTS[1:], GREEDY)
-    assert llm.engine.scheduler.kv.stats().prefix_cache_hits > hits0
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 20) for p in PROMPTS]
+    llm = LLM(model=str(path), **ENGINE, **engine_args)
+    try:
+        hits0 = llm.engine.scheduler.kv.stats().prefix_cache_hits
+        outs = llm.generate(PROMPTS[:1], GREEDY) + llm.generate(PROMPTS[1:], GREEDY)
+        assert llm.engine.scheduler.kv.stats().prefix_cache_hits > hits0
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 20) for p in PROMPTS]
+    finally:
+        llm.shutdown()
 
 
 @pytest.fixture(scope="module")
