@@ -5,6 +5,8 @@ Accepts both config layouts in the wild: transformers <5 (`rope_theta`, `rope_sc
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +20,10 @@ _DTYPES = {
 
 
 # rope_scaling types the rotary table implements (realexec.models.llama.rope_inv_freq).
-ROPE_TYPES = ("linear", "llama3")
-_ROPE_HINTS = {
-    "longrope": "; LongRoPE is the long-context Phi-3/Phi-3.5/Phi-4-mini variant: use a checkpoint "
-                "without it (e.g. Phi-3-mini-4k-instruct)",
-    "su": "; 'su' is LongRoPE (Phi-3 128k variants): use a 4k checkpoint (e.g. Phi-3-mini-4k-instruct)",
-}
+# "longrope" (Phi-3 128k, Phi-3.5, Phi-4-mini; "su" in old configs) runs in its short regime
+# only: see _longrope.
+ROPE_TYPES = ("linear", "llama3", "longrope")
+_ROPE_HINTS: dict[str, str] = {}
 # HF model_type -> architecture, for a config.json without `architectures`.
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -34,6 +34,27 @@ MODEL_TYPES = {
 _OPT_IN_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Architectures with per-head q/k RMSNorm.
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _longrope(d: dict, arch: str, scaling: dict) -> int:
+    """LongRoPE turns positions with `short_factor` while the sequence fits the pretraining
+    context (original_max_position_embeddings) and with `long_factor` past it, switching
+    every cached key's rotation when a sequence crosses it (HF recomputes per forward), which
+    a paged KV cache cannot follow. We serve the short regime exactly: the context is capped
+    at original_max_position_embeddings (returned, as the model's max_position_embeddings),
+    `scaling` gets HF's attention_factor (cos/sin are scaled by it) and keeps short_factor."""
+    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if not original or not scaling.get("short_factor"):
+        raise ValueError(f"{arch}: LongRoPE rope_scaling needs short_factor and original_max_position_embeddings")
+    max_pos = d.get("max_position_embeddings", original)
+    factor = scaling.get("factor") or max_pos / original
+    if scaling.get("attention_factor") is None:
+        scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if max_pos > original:
+        logging.getLogger(__name__).warning(
+            "%s: LongRoPE runs in its short regime only: context capped at %d tokens "
+            "(original_max_position_embeddings; the config says %d)", arch, original, max_pos)
+    return min(max_pos, original)
 
 
 def architecture_of(d: dict) -> str:
@@ -143,6 +164,7 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_scaling = {k: v for k, v in rope_scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
             rope_type = rope_scaling.pop("rope_type", rope_scaling.pop("type", "default"))
+            rope_type = "longrope" if rope_type == "su" else rope_type      # transformers renames it too
             rope_scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope_scaling}
             if rope_scaling is not None and rope_type not in ROPE_TYPES:
                 raise ValueError(f"{arch}: rope_scaling type {rope_type!r} is not supported "
@@ -169,7 +191,9 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=(_longrope(d, arch, rope_scaling) if rope_scaling and
+                                     rope_scaling["rope_type"] == "longrope"
+                                     else d.get("max_position_embeddings", 2048)),
             # Gemma 2's hub configs omit it; the model ties its head to the embedding.
             tie_word_embeddings=bool(d.get("tie_word_embeddings", arch == "Gemma2ForCausalLM")),
             attention_bias=attention_bias,

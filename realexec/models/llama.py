@@ -66,6 +66,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "longrope":
+        # Its short regime (realexec.models.config._longrope), in HF's order of operations.
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
 
 
@@ -80,7 +84,8 @@ class RotaryEmbedding(nn.Module):
     def _table(self, device=None) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         freqs = torch.arange(self.max_position, dtype=torch.float32, device=device)[:, None] * inv_freq
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)    # [max_position, head_dim]
+        scale = (self.scaling or {}).get("attention_factor", 1.0)     # LongRoPE scales cos and sin
+        return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)    # [max_position, head_dim]
 
     def reset_table(self) -> None:
         """Recompute the table in place (after the module was materialized from meta)."""

@@ -254,7 +254,7 @@ def _write_hf_dir_from_gguf(gguf_path: Path, out: Path, announce=None) -> None:
     names = {t.name for t in reader.tensors}
     if "rope_factors_long.weight" in names:
         raise ValueError(f"{gguf_path.name}: GGUF rope_factors (LongRoPE: Phi-3 128k, Phi-3.5, Phi-4-mini) are not "
-                         "supported; use a 4k Phi-3 (e.g. Phi-3-mini-4k-instruct)")
+                         "supported; load the Hugging Face directory instead (its short regime runs)")
     if "rope_freqs.weight" in names:
         raise ValueError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported; "
                          "load the Hugging Face directory instead")

@@ -232,24 +232,60 @@ def test_refused_architectures_name_themselves_and_the_supported_list(tmp_path, 
         check_architecture(arch)
 
 
-def test_phi3_longrope_is_refused_with_the_way_out(tmp_path):
-    """Phi-3 128k / Phi-3.5 / Phi-4-mini use LongRoPE, which our rotary table does not
-    implement: a one-line refusal that says so, in the old ('su') and new layouts."""
-    from transformers import Phi3Config
+def longrope_phi3(tmp_path):
+    """A tiny Phi-3 with LongRoPE (as Phi-3.5-mini / Phi-4-mini): pretraining context 64,
+    declared context 256, distinct short and long factors."""
+    short = torch.linspace(1.0, 3.0, 4).tolist()                  # head_dim 16, partial 0.5: 4 pairs
+    return save_tiny_phi3(tmp_path, max_position_embeddings=256, original_max_position_embeddings=64,
+                          rope_scaling={"rope_type": "longrope", "short_factor": short,
+                                        "long_factor": [5.0, 6.0, 7.0, 8.0]})
 
-    factors = [1.0] * 8                     # head_dim 16: one per rotated pair
-    cfg = Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=2, pad_token_id=0, max_position_embeddings=256,
-                     original_max_position_embeddings=64,
-                     rope_scaling={"rope_type": "longrope", "short_factor": factors, "long_factor": factors}).to_dict()
-    cfg["architectures"] = ["Phi3ForCausalLM"]
-    with pytest.raises(ValueError, match=r"^Phi3ForCausalLM: rope_scaling type 'longrope' is not supported .*"
-                                         r"Phi-3-mini-4k-instruct"):
-        load_model(_config_dir(tmp_path / "new", cfg))
-    old = {**{k: v for k, v in cfg.items() if k != "rope_parameters"},
-           "rope_scaling": {"type": "su", "short_factor": factors, "long_factor": factors}}
-    with pytest.raises(ValueError, match=r"^Phi3ForCausalLM: rope_scaling type 'su' is not supported"):
-        read_model_config(_config_dir(tmp_path / "old", old))
+
+def test_phi3_longrope_short_regime_matches_hf(tmp_path, caplog):
+    """LongRoPE runs in its short regime (HF's short_factor and attention_factor while a
+    sequence fits the pretraining context): the context is capped there, with a warning,
+    and within it the logits are HF's (batch, chunks, decodes, prefix hit)."""
+    hf = longrope_phi3(tmp_path)
+    with caplog.at_level("WARNING"):
+        ours, cfg, _ = load_model(tmp_path, dtype=torch.float32)
+    assert "LongRoPE runs in its short regime only: context capped at 64 tokens" in caplog.text
+    assert cfg.max_position_embeddings == 64 and cfg.rope_scaling["attention_factor"] == pytest.approx(
+        (1 + np.log(4) / np.log(64)) ** 0.5)
+    test_prefill_batch_matches_hf((ours, hf))
+    test_chunked_prefill_decodes_and_prefix_hit_match_hf((ours, hf))
+    prompt = random_prompts(1, [60], seed=9)[0]                     # near the cap
+    (got,) = run_step(ours, PagedKV(cfg, 16, 4), [("x", prompt, 0)])
+    torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_phi3_longrope_old_su_layout_and_the_cap_in_the_engine(tmp_path):
+    """Old configs call LongRoPE 'su' (same factors); the engine refuses a longer context."""
+    from realexec import LLM
+
+    longrope_phi3(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    factors = {k: v for k, v in d.pop("rope_parameters").items() if k.endswith("_factor") and k != "partial_rotary_factor"}
+    d["rope_scaling"] = {"type": "su", **factors}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = read_model_config(tmp_path)
+    assert (cfg.rope_scaling["rope_type"], cfg.rope_scaling["short_factor"], cfg.max_position_embeddings) == (
+        "longrope", factors["short_factor"], 64)
+    with pytest.raises(ValueError, match="max-model-len 128 exceeds the model's max_position_embeddings 64"):
+        LLM(model=str(tmp_path), max_model_len=128, num_gpu_blocks=64, block_size=4)
+
+
+def test_unsupported_rope_scaling_is_refused_up_front(tmp_path):
+    """A rope_scaling type our rotary table does not implement is refused when the config
+    is read (not at the first long prompt), naming the architecture and the types we run."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 64}).to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM: rope_scaling type 'yarn' is not supported "
+                                         r"\(supported: default, linear, llama3, longrope\)"):
+        load_model(_config_dir(tmp_path, cfg))
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -335,5 +371,5 @@ def test_gguf_of_each_family_matches_hf(kind, checkpoints, tmp_path):
 
 def test_gguf_with_long_rope_factors_is_refused(checkpoints, tmp_path):
     write_tiny_gguf(checkpoints["phi3"][1], tmp_path / "long.gguf", "phi3", long_rope=True)
-    with pytest.raises(ValueError, match=r"long\.gguf: GGUF rope_factors \(LongRoPE.*not supported; use a 4k Phi-3"):
+    with pytest.raises(ValueError, match=r"long\.gguf: GGUF rope_factors \(LongRoPE.*not supported; load the Hugging Face"):
         load_model(tmp_path / "long.gguf", cache_dir=tmp_path / "cache")
