@@ -9,7 +9,10 @@ AsyncEngine and the HTTP server run unchanged on top of it. Per step it
     tokens = slice length, context = slice start), built the way `sim/executor.py` does,
     plus the cost model's swap time for blocks swapped out and in;
   * waits until `step start + price` on its clock (real time when serving; tests swap in
-    a FakeClock, which the wait advances by exactly the price);
+    a FakeClock, which the wait advances by exactly the price). A step starts when the
+    previous one returned, unless the engine was idle longer than the price: the engine's
+    own work between steps (the real code runs here too) is inside the price, which prices
+    the whole engine step (a fitted profile's overhead part, the roofline's step overhead);
   * returns sampled tokens: a pure function of (the request's seed, every token of the
     sequence so far, the sample index), drawn from the tokenizer's vocabulary minus its
     special tokens (so EOS never ends a simulated request: it runs to max_tokens, a stop
@@ -88,11 +91,12 @@ class RealClock:
         return time.monotonic()
 
     @staticmethod
-    def wait(start: float, seconds: float) -> None:
-        """Return at `start + seconds` (at once if that has passed)."""
+    def wait(start: float, seconds: float) -> float:
+        """Return at `start + seconds` (at once if that has passed); -> the time it returned."""
         delay = start + seconds - time.monotonic()
         if delay > 0:
             time.sleep(delay)
+        return time.monotonic()
 
 
 class FakeClock:
@@ -105,9 +109,10 @@ class FakeClock:
     def now(self) -> float:
         return self.t
 
-    def wait(self, start: float, seconds: float) -> None:
+    def wait(self, start: float, seconds: float) -> float:
         self.waits.append(seconds)
         self.t = max(self.t, start + seconds)
+        return self.t
 
 
 # ------------------------------------------------------------------------------ the deployment
@@ -234,6 +239,7 @@ class SimulatedWorker:
         self.prepare_time = 0.0          # our own bookkeeping per step (state, pricing, tokens)
         self.last_shape: BatchShape | None = None
         self.last_price = 0.0
+        self._last_end: float | None = None     # clock time the previous step returned
         self.sleep_level = 0
 
     # -- setup (the Worker lifecycle) ---------------------------------------------------------
@@ -336,7 +342,14 @@ class SimulatedWorker:
         self.prepare_time += time.perf_counter() - t0
         self.num_steps += 1
         self.priced_s += price
-        clock.wait(start, price)
+        # The price is the whole engine step (a fitted profile's overhead part, the roofline's
+        # per-step overhead): the engine's own work since the previous step returned (update,
+        # detokenization, scheduling: the real code, running here too) is inside it, so a
+        # busy engine's steps end `price` apart. A gap longer than the price was idle time.
+        last = self._last_end
+        if last is not None and start - last <= price:
+            start = last
+        self._last_end = clock.wait(start, price)
         return out
 
     # -- tokens ---------------------------------------------------------------------------------

@@ -60,6 +60,35 @@ def test_each_step_advances_the_fake_clock_by_exactly_its_price(engine):
     assert clock.t == pytest.approx(t0 + sum(expected), rel=1e-12)
 
 
+class BusyClock(FakeClock):
+    """A fake clock on which the engine's own work between steps takes `gap` seconds."""
+
+    def __init__(self, gap: float):
+        super().__init__()
+        self.gap = gap
+        self.ends: list[float] = []
+
+    def wait(self, start: float, seconds: float) -> float:
+        end = super().wait(start, seconds)
+        self.ends.append(end)
+        self.t += self.gap              # then the engine updates, detokenizes, schedules the next step
+        return end
+
+
+def test_the_engines_own_work_between_steps_is_inside_the_price():
+    """Steps of a busy engine end exactly their prices apart (the price is the whole engine
+    step); after an idle gap longer than a step's price, the step starts when it is sent."""
+    clock = BusyClock(gap=0.001)
+    engine = sim_engine(clock)
+    run(engine, [(list(range(100, 110)), SamplingParams(max_tokens=4, ignore_eos=True))])
+    prices = [ROOFLINE.step_time(BatchShape.prefill(10))] + [ROOFLINE.step_time(BatchShape.decode(1, c))
+                                                            for c in (10, 11, 12)]
+    assert [b - a for a, b in zip(clock.ends, clock.ends[1:])] == pytest.approx(prices[1:], rel=1e-9)
+    clock.t += 1.0                                   # idle for a second
+    run(engine, [(list(range(100, 110)), SamplingParams(max_tokens=1, ignore_eos=True))])
+    assert clock.ends[-1] - clock.ends[-2] == pytest.approx(0.001 + 1.0 + prices[0], rel=1e-9)
+
+
 def test_chunked_prefill_and_mixed_batches_are_priced_by_their_slices():
     """A 40-token prompt in 16-token chunks (context = the chunk's start), then a batch that
     mixes its decode with a second prompt: each step is one BatchShape of all its slices.
