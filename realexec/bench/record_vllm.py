@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         req_file = Path(tmp) / "requests.json"
         write_requests(req_file, [(r["prompt_token_ids"], r["max_tokens"]) for r in reqs])
         cmd = [python, str(RECORDER), "--model", args.model_dir, "--requests", str(req_file),
-               "--out", args.out] + extra
+               "--out", args.out, "--recorded-by", shlex.join([sys.executable, "-m", "realexec", *sys.argv[1:]])] + extra
         try:
             rc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:

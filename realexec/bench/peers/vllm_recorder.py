@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graphs")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recorded-by", default=None, metavar="CMD",
+                   help="the command that made the requests file (kept in the log's config record)")
     args = p.parse_args(argv)
     try:
         requests = read_requests(args.requests)
@@ -345,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, os.path.abspath(__file__)] + argv
     config = rec.config_record(getattr(vllm, "__version__", "unknown"), command, args.model)
     config["vllm"]["loadavg_1m"] = [load_before, os.getloadavg()[0]]     # how shared the machine was
+    if args.recorded_by:
+        config["vllm"]["recorded_by"] = args.recorded_by
     rec.write(args.out, config)
     steps = sum(1 for r in rec.records if r["kind"] == "step")
     preempted = sum(len(r["decision"]["preempted"]) for r in rec.records if r["kind"] == "step")

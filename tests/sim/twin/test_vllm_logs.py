@@ -14,7 +14,8 @@ from realexec.bench.peers import vllm_recorder as vr
 from sim.twin.replay import format_report, replay
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
-LIGHT, PREEMPT = FIXTURES / "light.jsonl", FIXTURES / "preempt.jsonl"
+LIGHT, PREEMPT, SERVED = FIXTURES / "light.jsonl", FIXTURES / "preempt.jsonl", FIXTURES / "served.jsonl"
+RECORDINGS = pytest.mark.parametrize("path", [LIGHT, PREEMPT, SERVED], ids=["light", "preempt", "served"])
 
 
 # ----------------------------------------------------------------------------- synthetic vLLM objects
@@ -215,7 +216,7 @@ def fixture(path: Path):
     return load_log(str(path))
 
 
-@pytest.mark.parametrize("path", [LIGHT, PREEMPT], ids=["light", "preempt"])
+@RECORDINGS
 def test_recording_is_consistent_with_its_config(path):
     config, arrivals, steps, finishes = fixture(path)
     sc, cc = config["scheduler"], config["cache"]
@@ -234,6 +235,11 @@ def test_recording_is_consistent_with_its_config(path):
     assert {a["req_id"] for a in arrivals} == set(finishes)
 
 
+def test_the_served_recording_has_arrivals_between_steps():
+    *_, arrivals, _steps, _ = fixture(SERVED)
+    assert len({a["step"] for a in arrivals}) > 1      # Poisson arrivals: not all before the first step
+
+
 def test_the_light_recording_has_no_preemption_and_the_queueing_one_has_some():
     *_, light_steps, _ = fixture(LIGHT)
     *_, pre_steps, _ = fixture(PREEMPT)
@@ -241,7 +247,7 @@ def test_the_light_recording_has_no_preemption_and_the_queueing_one_has_some():
     assert any(s["decision"]["preempted"] for s in pre_steps)
 
 
-@pytest.mark.parametrize("path", [LIGHT, PREEMPT], ids=["light", "preempt"])
+@RECORDINGS
 def test_replay_of_a_vllm_recording_takes_vllms_decision_at_every_step(path):
     """The issue's target on a recorded vLLM run: the core with the vllm-v1 rules (the
     default for a vLLM log) schedules the same requests, token ranges, samples, block
