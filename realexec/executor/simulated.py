@@ -9,10 +9,10 @@ AsyncEngine and the HTTP server run unchanged on top of it. Per step it
     tokens = slice length, context = slice start), built the way `sim/executor.py` does,
     plus the cost model's swap time for blocks swapped out and in;
   * waits until `step start + price` on its clock (real time when serving; tests swap in
-    a FakeClock, which the wait advances by exactly the price). A step starts when the
-    previous one returned, unless the engine was idle longer than the price: the engine's
-    own work between steps (the real code runs here too) is inside the price, which prices
-    the whole engine step (a fitted profile's overhead part, the roofline's step overhead);
+    a FakeClock, which the wait advances by exactly the price). The price is the whole
+    engine step, overhead included (a fitted profile's overhead part, the roofline's
+    per-step term): the engine's own work since the previous step returned (the real code
+    runs here too) is charged inside it, up to the overhead the model prices;
   * returns sampled tokens: a pure function of (the request's seed, every token of the
     sequence so far, the sample index), drawn from the tokenizer's vocabulary minus its
     special tokens (so EOS never ends a simulated request: it runs to max_tokens, a stop
@@ -330,6 +330,17 @@ class SimulatedWorker:
         self.last_shape, self.last_price = shape, dt
         return dt
 
+    def overhead(self, shape: BatchShape) -> float:
+        """The engine's own per-step time inside a step's price: a fitted model's overhead
+        part, the roofline's per-step overhead."""
+        cm = self.deployment.cost_model
+        if isinstance(cm, FittedCostModel):
+            if not shape.num_seqs:
+                return 0.0
+            return cm.evaluator.part_time("overhead", shape.num_seqs, shape.num_new_tokens, shape.context_sum,
+                                          shape.attn_pairs)
+        return getattr(cm, "step_overhead_s", 0.0)
+
     def execute_model(self, msg: StepMessage) -> ModelRunnerOutput:
         if self.sleep_level:
             raise RuntimeError(f"the simulated worker is asleep (level {self.sleep_level}): wake_up first")
@@ -342,13 +353,14 @@ class SimulatedWorker:
         self.prepare_time += time.perf_counter() - t0
         self.num_steps += 1
         self.priced_s += price
-        # The price is the whole engine step (a fitted profile's overhead part, the roofline's
-        # per-step overhead): the engine's own work since the previous step returned (update,
-        # detokenization, scheduling: the real code, running here too) is inside it, so a
-        # busy engine's steps end `price` apart. A gap longer than the price was idle time.
+        # The price is the whole engine step, the engine's own overhead included (a fitted
+        # profile's overhead part, the roofline's per-step term): the real engine code runs
+        # here too, so its time since the previous step returned (update, detokenization,
+        # scheduling) is charged inside the price, up to the overhead the model prices. More
+        # than that was idle time (no request), which a step does not absorb.
         last = self._last_end
-        if last is not None and start - last <= price:
-            start = last
+        if last is not None:
+            start = max(last, start - min(price, self.overhead(self.last_shape)))
         self._last_end = clock.wait(start, price)
         return out
 

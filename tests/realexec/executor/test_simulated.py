@@ -76,8 +76,9 @@ class BusyClock(FakeClock):
 
 
 def test_the_engines_own_work_between_steps_is_inside_the_price():
-    """Steps of a busy engine end exactly their prices apart (the price is the whole engine
-    step); after an idle gap longer than a step's price, the step starts when it is sent."""
+    """Steps of a busy engine end exactly their prices apart: the engine's 1 ms between
+    steps is inside the price (the roofline's 2 ms per-step overhead). After an idle
+    second, a step absorbs only that overhead, not the idle time."""
     clock = BusyClock(gap=0.001)
     engine = sim_engine(clock)
     run(engine, [(list(range(100, 110)), SamplingParams(max_tokens=4, ignore_eos=True))])
@@ -86,7 +87,8 @@ def test_the_engines_own_work_between_steps_is_inside_the_price():
     assert [b - a for a, b in zip(clock.ends, clock.ends[1:])] == pytest.approx(prices[1:], rel=1e-9)
     clock.t += 1.0                                   # idle for a second
     run(engine, [(list(range(100, 110)), SamplingParams(max_tokens=1, ignore_eos=True))])
-    assert clock.ends[-1] - clock.ends[-2] == pytest.approx(0.001 + 1.0 + prices[0], rel=1e-9)
+    overhead = ROOFLINE.step_overhead_s
+    assert clock.ends[-1] - clock.ends[-2] == pytest.approx(0.001 + 1.0 - overhead + prices[0], rel=1e-9)
 
 
 def test_chunked_prefill_and_mixed_batches_are_priced_by_their_slices():
