@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from core import SamplingParams
 from realexec.models import MODEL_REGISTRY, REFUSED, ModelConfig, check_architecture
 from realexec.models.loader import load_model, read_model_config
-from tests.realexec.models.test_model import ATOL, PagedKV, greedy_generate, hf_logits, random_prompts, run_step
+from tests.realexec.models.hf_parity import (ENGINE, PROMPTS, check_chunks_decodes_prefix_hit, check_greedy,
+                                             check_prefill_batch, engine_run, hf_greedy)
+from tests.realexec.models.test_model import ATOL, PagedKV, hf_logits, random_prompts, run_step
 from tests.tiny_models import save_tiny_phi3, save_tiny_qwen3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -75,54 +76,15 @@ def test_family_configs_read_from_hf(checkpoints):
 # ----------------------------------------------------------------------------- logits and greedy vs HF
 
 def test_prefill_batch_matches_hf(tiny):
-    ours, hf = tiny
-    prompts = random_prompts(3, [5, 8, 13])
-    got = run_step(ours, PagedKV(ours.config, num_blocks=32, block_size=4), [(f"p{i}", p, 0)
-                                                                            for i, p in enumerate(prompts)])
-    for p, g in zip(prompts, got):
-        torch.testing.assert_close(g, hf_logits(hf, p), atol=ATOL, rtol=0)
+    check_prefill_batch(*tiny)
 
 
 def test_chunked_prefill_decodes_and_prefix_hit_match_hf(tiny):
-    """Chunks mixed with decodes, then a sequence that reuses another's first two blocks
-    (a prefix-cache hit) and computes only its suffix: HF's full-prefill logits throughout."""
-    ours, hf = tiny
-    B = 4
-    a, b = random_prompts(2, [14, 15], seed=2)
-    c = a[:2 * B] + random_prompts(1, [6], seed=3)[0]
-    ref_a, ref_b, ref_c = (hf_logits(hf, s) for s in (a, b, c))
-    kv = PagedKV(ours.config, num_blocks=48, block_size=B, seed=5)
-    la, lb = run_step(ours, kv, [("a", a[:9], 0), ("b", b[:5], 0)])
-    torch.testing.assert_close(la, ref_a[:9], atol=ATOL, rtol=0)
-    torch.testing.assert_close(lb, ref_b[:5], atol=ATOL, rtol=0)
-    la, lb = run_step(ours, kv, [("a", a[9:10], 9), ("b", b[5:], 5)])
-    torch.testing.assert_close(la, ref_a[9:10], atol=ATOL, rtol=0)
-    torch.testing.assert_close(lb, ref_b[5:], atol=ATOL, rtol=0)
-    for pos in range(10, 14):
-        (la,) = run_step(ours, kv, [("a", a[pos:pos + 1], pos)])
-        torch.testing.assert_close(la, ref_a[pos:pos + 1], atol=ATOL, rtol=0)
-    kv.share_prefix("c", "a", 2)
-    (lc,) = run_step(ours, kv, [("c", c[2 * B:], 2 * B)])
-    torch.testing.assert_close(lc, ref_c[2 * B:], atol=ATOL, rtol=0)
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF's greedy tokens, never stopping at EOS (as our runs with ignore_eos)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                              eos_token_id=-1)          # a token that never comes
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                      generation_config=config)
-    return out[0, len(prompt):].tolist()
+    check_chunks_decodes_prefix_hit(*tiny)
 
 
 def test_greedy_matches_hf_generate(tiny):
-    ours, hf = tiny
-    prompts = random_prompts(2, [6, 11], seed=4)
-    got = greedy_generate(ours, PagedKV(ours.config, num_blocks=64, block_size=4, seed=7), prompts, 24)
-    assert got == [hf_greedy(hf, p, 24) for p in prompts]
+    check_greedy(*tiny)
 
 
 def test_phi3_sliding_window_matches_hf(tmp_path):
@@ -133,29 +95,11 @@ def test_phi3_sliding_window_matches_hf(tmp_path):
     hf.set_attn_implementation("eager")
     ours, cfg, _ = load_model(tmp_path, dtype=torch.float32)
     assert [cfg.sliding_window_for(i) for i in range(cfg.num_hidden_layers)] == [5, 5]
-    test_prefill_batch_matches_hf((ours, hf))
-    test_chunked_prefill_decodes_and_prefix_hit_match_hf((ours, hf))
+    check_prefill_batch(ours, hf)
+    check_chunks_decodes_prefix_hit(ours, hf)
 
 
 # ----------------------------------------------------------------------------- through the engine
-
-SHARED = list(range(40, 56))                        # 4 full blocks of 4: prefix-cache hits
-PROMPTS = [SHARED + [3, 4, 5], SHARED + [6, 7, 8, 9, 10], list(range(100, 131)), [9, 8, 7, 6, 5]]
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-# Chunks of 16 tokens (the 31-token prompt prefills in two), prefix caching on.
-ENGINE = dict(block_size=4, num_gpu_blocks=128, swap_space=0.002, max_num_batched_tokens=16,
-              enable_prefix_caching=True)
-
-
-def engine_run(llm):
-    """(greedy tokens of PROMPTS, prefix-hit tokens): the shared prompts run after the
-    first finishes, so they hit its cached blocks."""
-    hits0 = llm.engine.scheduler.kv.stats().prefix_cache_hits
-    first = llm.generate(PROMPTS[:1], GREEDY)
-    rest = llm.generate(PROMPTS[1:], GREEDY)
-    out = [o.outputs[0].token_ids for o in first + rest]
-    return out, llm.engine.scheduler.kv.stats().prefix_cache_hits - hits0
-
 
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_engine_greedy_matches_hf_generate(kind, checkpoints):
@@ -251,8 +195,8 @@ def test_phi3_longrope_short_regime_matches_hf(tmp_path, caplog):
     assert "LongRoPE runs in its short regime only: context capped at 64 tokens" in caplog.text
     assert cfg.max_position_embeddings == 64 and cfg.rope_scaling["attention_factor"] == pytest.approx(
         (1 + np.log(4) / np.log(64)) ** 0.5)
-    test_prefill_batch_matches_hf((ours, hf))
-    test_chunked_prefill_decodes_and_prefix_hit_match_hf((ours, hf))
+    check_prefill_batch(ours, hf)
+    check_chunks_decodes_prefix_hit(ours, hf)
     prompt = random_prompts(1, [60], seed=9)[0]                     # near the cap
     (got,) = run_step(ours, PagedKV(cfg, 16, 4), [("x", prompt, 0)])
     torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=0)

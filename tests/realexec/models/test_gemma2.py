@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from realexec.models import ModelConfig  # noqa: E402
 from realexec.models.gemma2 import Gemma2ForCausalLM  # noqa: E402
 from realexec.models.loader import load_model, read_model_config  # noqa: E402
-from tests.realexec.models.test_mistral_window import (  # noqa: E402
+from tests.realexec.models.hf_parity import (  # noqa: E402
     check_chunks_decodes_prefix_hit, check_engine, check_greedy, check_prefill_batch)
 from tests.realexec.models.test_model import ATOL, PagedKV, hf_logits, random_prompts, run_step  # noqa: E402
 from tests.tiny_models import save_tiny_gemma2  # noqa: E402

@@ -22,6 +22,7 @@ from realexec.models import ModelConfig
 from realexec.models import moe as moe_module
 from realexec.models.loader import load_model
 from realexec.models.moe import SparseMoeBlock
+from tests.realexec.models.hf_parity import check_chunks_decodes_prefix_hit, check_prefill_batch
 from tests.realexec.models.test_model import (ATOL, PagedKV, greedy_generate, hf_logits, make_metadata, random_prompts,
                                               run_step)
 from tests.tiny_models import save_tiny_moe
@@ -44,35 +45,11 @@ def tiny(request, tmp_path_factory):
 
 
 def test_prefill_batch_matches_hf(tiny):
-    ours, hf = tiny
-    prompts = random_prompts(3, [5, 8, 13])
-    got = run_step(ours, PagedKV(ours.config, num_blocks=32, block_size=4), [(f"p{i}", p, 0)
-                                                                             for i, p in enumerate(prompts)])
-    for p, g in zip(prompts, got):
-        torch.testing.assert_close(g, hf_logits(hf, p), atol=ATOL, rtol=0)
+    check_prefill_batch(*tiny)
 
 
 def test_chunked_prefill_decode_and_prefix_hit_match_hf(tiny):
-    """Chunks mixed with decodes, decode-only steps and a prefix-cache hit give the logits
-    of one full HF forward at the same positions."""
-    ours, hf = tiny
-    B = 4
-    a, b = random_prompts(2, [14, 15], seed=2)
-    c = a[:2 * B] + random_prompts(1, [6], seed=3)[0]          # shares a's first two blocks
-    ref_a, ref_b, ref_c = (hf_logits(hf, s) for s in (a, b, c))
-    kv = PagedKV(ours.config, num_blocks=48, block_size=B, seed=5)
-    la, lb = run_step(ours, kv, [("a", a[:9], 0), ("b", b[:5], 0)])
-    torch.testing.assert_close(la, ref_a[:9], atol=ATOL, rtol=0)
-    torch.testing.assert_close(lb, ref_b[:5], atol=ATOL, rtol=0)
-    la, lb = run_step(ours, kv, [("a", a[9:10], 9), ("b", b[5:], 5)])
-    torch.testing.assert_close(la, ref_a[9:10], atol=ATOL, rtol=0)
-    torch.testing.assert_close(lb, ref_b[5:], atol=ATOL, rtol=0)
-    for pos in range(10, 14):
-        (la,) = run_step(ours, kv, [("a", a[pos:pos + 1], pos)])
-        torch.testing.assert_close(la, ref_a[pos:pos + 1], atol=ATOL, rtol=0)
-    kv.share_prefix("c", "a", 2)
-    (lc,) = run_step(ours, kv, [("c", c[2 * B:], 2 * B)])
-    torch.testing.assert_close(lc, ref_c[2 * B:], atol=ATOL, rtol=0)
+    check_chunks_decodes_prefix_hit(*tiny)
 
 
 def test_greedy_matches_hf_generate(tiny):
