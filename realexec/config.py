@@ -6,11 +6,14 @@ builds them from the fields and their help strings, so adding a knob is one line
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass
 
 from core import block_hasher, register_block_hasher
 from core.cli_args import add_dataclass_args, dataclass_from_args, knob
+from core.cost.model import RooflineCostModel
+from core.cost.specs import get_hardware, get_model
 from core.kv.block_hash import make_digest_hasher
 
 try:                                 # the core imports only the stdlib: faster hashes come from here
@@ -136,7 +139,6 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.simulate is not None or self.sim_model is not None or self.sim_hardware is not None:
-            from realexec.executor.simulated import check_simulate_args
             check_simulate_args(self)      # a simulated engine runs no workers: no backend to check
         elif self.executor_backend() == "uni" and self.world_size > 1:
             raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
@@ -188,3 +190,41 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     return dataclass_from_args(EngineArgs, ns)
+
+
+# -- serve --simulate (realexec.executor.simulated): the flags' own checks, kept with the flags
+ROOFLINE = "roofline"
+DEFAULT_SIM_MODEL = "SmolLM2-135M"
+DEFAULT_SIM_HARDWARE = "H100"
+OUTPUT_MODES = ("random", "echo")
+
+
+def check_simulate_args(args: EngineArgs) -> None:
+    """Flag checks that need no tokenizer or file contents (EngineArgs.validate calls it)."""
+    if args.simulate is None:
+        for flag in ("sim_model", "sim_hardware"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} only applies with --simulate roofline")
+        return
+    if args.simulate_output not in OUTPUT_MODES:
+        raise ValueError(f"simulate-output must be one of {', '.join(OUTPUT_MODES)}, got {args.simulate_output!r}")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError("--simulate prices one engine: pipeline-parallel-size must be 1")
+    if args.distributed_executor_backend not in (None, "uni"):
+        raise ValueError(f"--simulate runs no workers: drop --distributed-executor-backend "
+                         f"{args.distributed_executor_backend}")
+    if args.simulate == ROOFLINE:
+        model = get_model(args.sim_model or DEFAULT_SIM_MODEL)           # ValueError naming the choices
+        get_hardware(args.sim_hardware or DEFAULT_SIM_HARDWARE)
+        RooflineCostModel(model, get_hardware(args.sim_hardware or DEFAULT_SIM_HARDWARE),
+                          args.tensor_parallel_size)                     # tp must split the heads
+        return
+    if args.sim_model is not None or args.sim_hardware is not None:
+        raise ValueError(f"--sim-model / --sim-hardware price a roofline; --simulate {args.simulate} is a "
+                         f"fitted cost model of the engine it profiled (use --simulate roofline, or drop them)")
+    if args.tensor_parallel_size > 1:
+        raise ValueError(f"--simulate {args.simulate}: a fitted cost model prices the engine it profiled; "
+                         f"tensor-parallel-size {args.tensor_parallel_size} applies to roofline only")
+    if not os.path.isfile(args.simulate):
+        raise ValueError(f"--simulate {args.simulate!r}: no such file (a cost-model JSON from "
+                         f"`python -m realexec profile`, or 'roofline')")

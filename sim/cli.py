@@ -20,8 +20,8 @@ from policies import REGISTRY
 from sim.explore import compare, search
 from sim.twin import calibrate, replay, validate
 from sim.config import (SimConfig, add_config_args, config_from_args, nonneg_float, nonneg_int, positive_float,
-                        positive_int, with_fitting_hardware, with_measured_engine)
-from sim.engine import ResolvedConfig, resolve
+                        positive_int, with_measured_engine)
+from sim.engine import ResolvedConfig, resolve, with_fitting_hardware
 from sim.run import simulate
 from sim.results import build_summary, format_summary, reject_lines, write_results
 from sim.workloads import apply_workload

@@ -253,33 +253,3 @@ def with_measured_engine(config: SimConfig, explicit: set[str] | None, warn=None
         (warn or (lambda m: print(m, file=sys.stderr)))(
             f"warning: simulating another engine than {config.cost_model} was measured on: " + "; ".join(differs))
     return dataclasses.replace(config, **changes)
-
-
-def with_fitting_hardware(config: SimConfig, explicit: set[str] | None, warn=None) -> SimConfig:
-    """`config` on a GPU its model fits, when --hardware was not given: the default
-    (A100-40G) where the weights leave room for KV blocks at --tp, else the first built-in GPU
-    that does (A100-80G, H100, H200), named in a note on stderr; MoE models such as
-    Qwen3-30B-A3B (57 GiB of bf16 weights) or Mixtral-8x7B (87 GiB) need one. A given
-    --hardware is kept (resolve() then says why it does not fit). `explicit` as for
-    `with_measured_engine`."""
-    given = config.hardware != DEFAULT_HARDWARE if explicit is None else "hardware" in explicit
-    if given:
-        return config
-    from sim.engine import resolve
-
-    def fits(name: str) -> bool:
-        try:
-            resolve(dataclasses.replace(config, hardware=name))
-        except ValueError:
-            return False
-        return True
-
-    if fits(config.hardware):
-        return config
-    for name in HARDWARE:
-        if name != config.hardware and not name.lower().startswith("cpu") and fits(name):
-            (warn or (lambda m: print(m, file=sys.stderr)))(
-                f"note: {config.model} does not fit {config.hardware} at tensor-parallel-size {config.tensor_parallel_size}; simulating {name} "
-                f"(give --hardware to choose)")
-            return dataclasses.replace(config, hardware=name)
-    return config

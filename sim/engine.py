@@ -32,6 +32,7 @@ metrics, time-weighted statistics and memory breakdowns (tested).
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import math
@@ -52,12 +53,12 @@ from core.sched.event_skipping import (describe_steady_decode, fast_forward, ren
                                  update_steady_step)
 from core.metrics import RequestRecord
 from policies import PolicySet
-from sim.config import SimConfig
+from sim.config import DEFAULT_HARDWARE, SimConfig
 from core.cost.model import RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks
 from core.cost.fitted import FittedCostModel
 from sim.executor import SIM_EOS_TOKEN_ID, SimExecutor
 from sim.memory import MemoryAccumulator, MemorySample, SpanModel, blocks_at_finish, growth_from_offsets, sample as memory_sample
-from core.cost.specs import GiB, HardwareSpec, ModelSpec, get_hardware, get_model
+from core.cost.specs import HARDWARE, GiB, HardwareSpec, ModelSpec, get_hardware, get_model
 from sim.timeseries import COLUMNS as TIMESERIES_COLUMNS, Timeseries, TimeseriesRow
 from sim.cluster.pipeline_stages import PipelineLayout, pipeline_block_bytes, pipeline_kv_capacity_blocks
 from traces import HashedBlockTokens, Trace
@@ -188,6 +189,34 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     cache.validate()
     sched.validate(cache)
     return ResolvedConfig(c, model, hw, sched, cache, block_bytes)
+
+
+def with_fitting_hardware(config: SimConfig, explicit: set[str] | None, warn=None) -> SimConfig:
+    """`config` on a GPU its model fits, when --hardware was not given: the default
+    (A100-40G) where the weights leave room for KV blocks at --tp, else the first built-in GPU
+    that does (A100-80G, H100, H200), named in a note on stderr; MoE models such as
+    Qwen3-30B-A3B (57 GiB of bf16 weights) or Mixtral-8x7B (87 GiB) need one. A given
+    --hardware is kept (resolve() then says why it does not fit). `explicit` as for
+    `with_measured_engine`."""
+    given = config.hardware != DEFAULT_HARDWARE if explicit is None else "hardware" in explicit
+    if given:
+        return config
+    def fits(name: str) -> bool:
+        try:
+            resolve(dataclasses.replace(config, hardware=name))
+        except ValueError:
+            return False
+        return True
+
+    if fits(config.hardware):
+        return config
+    for name in HARDWARE:
+        if name != config.hardware and not name.lower().startswith("cpu") and fits(name):
+            (warn or (lambda m: print(m, file=sys.stderr)))(
+                f"note: {config.model} does not fit {config.hardware} at tensor-parallel-size {config.tensor_parallel_size}; simulating {name} "
+                f"(give --hardware to choose)")
+            return dataclasses.replace(config, hardware=name)
+    return config
 
 
 @dataclass

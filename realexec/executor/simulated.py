@@ -37,7 +37,6 @@ for any spec'd model (only text and token counts depend on it).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from concurrent.futures import Future
 from math import gcd, log1p
@@ -48,14 +47,11 @@ from core.cost.specs import ModelSpec, get_hardware, get_model
 from core.kv.kv_capacity import kv_block_bytes_per_rank, kv_blocks_per_rank
 from core.sampling_params import SAMPLING_EPS
 from core.step_message import ModelRunnerOutput, StepMessage
-from realexec.config import EngineArgs
+from realexec.config import (DEFAULT_SIM_HARDWARE, DEFAULT_SIM_MODEL, ROOFLINE, EngineArgs,
+                             check_simulate_args)
 from realexec.executor.base import UniprocExecutor
 
 GiB = 1 << 30
-ROOFLINE = "roofline"
-DEFAULT_SIM_MODEL = "SmolLM2-135M"
-DEFAULT_SIM_HARDWARE = "H100"
-OUTPUT_MODES = ("random", "echo")
 # A fitted model's swaps fall back to the roofline's PCIe term on this hardware (as `sim run`).
 FITTED_SWAP_HARDWARE = "cpu-2core"
 DEFAULT_CPU_KV_CACHE_GIB = 1.0         # the real CPU worker's default KV budget
@@ -128,37 +124,6 @@ class SimulatedDeployment:
     name: str
     description: str                    # for the server's start-up line
     spec: ModelSpec | None = None       # roofline: the model spec priced
-
-
-def check_simulate_args(args: EngineArgs) -> None:
-    """Flag checks that need no tokenizer or file contents (EngineArgs.validate calls it)."""
-    if args.simulate is None:
-        for flag in ("sim_model", "sim_hardware"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} only applies with --simulate roofline")
-        return
-    if args.simulate_output not in OUTPUT_MODES:
-        raise ValueError(f"simulate-output must be one of {', '.join(OUTPUT_MODES)}, got {args.simulate_output!r}")
-    if args.pipeline_parallel_size > 1:
-        raise ValueError("--simulate prices one engine: pipeline-parallel-size must be 1")
-    if args.distributed_executor_backend not in (None, "uni"):
-        raise ValueError(f"--simulate runs no workers: drop --distributed-executor-backend "
-                         f"{args.distributed_executor_backend}")
-    if args.simulate == ROOFLINE:
-        model = get_model(args.sim_model or DEFAULT_SIM_MODEL)           # ValueError naming the choices
-        get_hardware(args.sim_hardware or DEFAULT_SIM_HARDWARE)
-        RooflineCostModel(model, get_hardware(args.sim_hardware or DEFAULT_SIM_HARDWARE),
-                          args.tensor_parallel_size)                     # tp must split the heads
-        return
-    if args.sim_model is not None or args.sim_hardware is not None:
-        raise ValueError(f"--sim-model / --sim-hardware price a roofline; --simulate {args.simulate} is a "
-                         f"fitted cost model of the engine it profiled (use --simulate roofline, or drop them)")
-    if args.tensor_parallel_size > 1:
-        raise ValueError(f"--simulate {args.simulate}: a fitted cost model prices the engine it profiled; "
-                         f"tensor-parallel-size {args.tensor_parallel_size} applies to roofline only")
-    if not os.path.isfile(args.simulate):
-        raise ValueError(f"--simulate {args.simulate!r}: no such file (a cost-model JSON from "
-                         f"`python -m realexec profile`, or 'roofline')")
 
 
 def build_deployment(args: EngineArgs, model_config) -> SimulatedDeployment:

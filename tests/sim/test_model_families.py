@@ -9,7 +9,8 @@ import pytest
 
 from core.cost.specs import MODELS
 from sim.cli import main as cli_main
-from sim.config import DEFAULT_HARDWARE, SimConfig, with_fitting_hardware
+from sim.config import DEFAULT_HARDWARE, SimConfig
+from sim.engine import with_fitting_hardware
 from sim.engine import resolve
 
 SHAREGPT = Path(__file__).resolve().parents[2] / "traces" / "sharegpt.json"
