@@ -76,6 +76,11 @@ class EngineArgs:
                   "(Python's 64-bit hash: fastest, collisions are easy to forge; trusted prompts only)")
     seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
+    cpu_weight_format: str = _arg(
+        "auto", "CPU: the projections' weight layout: packed (oneDNN's blocked layout, 1.1-2.8x faster GEMMs "
+                "from 4 rows up, no extra memory) | both (packed, plus the dense weights for steps of 1-3 "
+                "rows, where MKL's GEMV is faster: twice the projections' memory) | dense (as loaded) | auto "
+                "(both up to 2 GiB of projections, else packed)", choices=("auto", "dense", "packed", "both"))
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     compile_decode: bool = _arg(
         True, "CUDA: torch.compile the decode forward (attention left eager) before capturing its graphs: "
@@ -157,6 +162,8 @@ class EngineArgs:
             raise ValueError(f"worker-timeout must be > 0 seconds, got {self.worker_timeout}")
         if self.attention_backend not in (None, "torch", "cpu", "triton"):
             raise ValueError(f"attention-backend must be cpu, torch or triton, got {self.attention_backend!r}")
+        if self.cpu_weight_format not in ("auto", "dense", "packed", "both"):
+            raise ValueError(f"cpu-weight-format must be auto, dense, packed or both, got {self.cpu_weight_format!r}")
         from policies import PolicySet
         PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
         if self.scheduler.lower() == "vllm-v1":

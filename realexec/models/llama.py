@@ -31,6 +31,7 @@ from torch import nn
 from realexec.attention import AttentionMetadata, get_attention_backend
 from realexec.distributed import PPGroup, TPGroup
 from .config import ModelConfig
+from .linear import Linear, packed_parameter, project
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -110,16 +111,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard @ W_shard^T) + b: the input features are split over ranks."""
 
+    projects = True     # pack_weights packs this module's weight
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.register_parameter("weight_packed", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return project(x, self.weight, self.bias, self.weight_packed)
+        y = self.tp.all_reduce(project(x, self.weight, None, self.weight_packed))
         return y + self.bias if self.bias is not None else y
 
 
@@ -153,7 +157,7 @@ class Attention(nn.Module):
         # This layer's window / soft cap, passed to the backend only when set.
         self.attn_opts = {k: v for k, v in (("sliding_window", cfg.sliding_window_for(layer_idx)),
                                             ("logits_soft_cap", cfg.attn_logit_softcapping)) if v is not None}
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(self.q_size * tp.size, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.backend = backend
         # Qwen3: RMSNorm over each head's dims (one weight shared by all heads) before RoPE.
@@ -178,7 +182,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         width = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         # embedding lives on another stage: then the last stage loads its own copy.
         untied_head = not cfg.tie_word_embeddings or not pp.is_first
         self.lm_head = vocab() if pp.is_last and untied_head else None
+        self.register_parameter("head_packed", None)      # the LM head packed for the CPU (pack_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata,
@@ -247,11 +252,22 @@ class LlamaForCausalLM(nn.Module):
         (under tensor parallelism: on the driver rank; None on the others). Last stage only."""
         if not self.pp.is_last:
             raise RuntimeError(f"pipeline stage {self.pp.rank} has no LM head (only the last stage samples)")
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_last_dim(F.linear(hidden, weight).float())
+        logits = self.tp.gather_last_dim(project(hidden, self.head_weight(), None, self.head_packed).float())
         if logits is not None and logits.shape[-1] != self.config.vocab_size:
             logits = logits[:, :self.config.vocab_size]      # the padding rows of the last shard
         return logits
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The LM head's dense rows (the embedding table of a tied model); None off the last stage."""
+        if not self.pp.is_last:
+            return None
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_head(self) -> int:
+        """Add the LM head's packed copy for the CPU (realexec.models.linear); -> bytes added."""
+        weight = self.head_weight()
+        self.head_packed = packed_parameter(weight)
+        return weight.numel() * weight.element_size()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

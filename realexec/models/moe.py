@@ -36,6 +36,7 @@ from torch import nn
 
 from realexec.distributed import PPGroup, TPGroup
 from .config import ModelConfig
+from .linear import Linear
 from .llama import LlamaForCausalLM
 
 
@@ -45,8 +46,8 @@ class Expert(nn.Module):
 
     def __init__(self, hidden: int, width: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * width, bias=False)
+        self.down_proj = Linear(width, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -67,7 +68,7 @@ class SparseMoeBlock(nn.Module):
         # Mixtral multiplies expert outputs by fp32 weights; Qwen3-MoE casts the weights to
         # the model dtype first (the same in fp32; the reference's rounding in half precision).
         self.weights_in_model_dtype = weights_in_model_dtype
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.moe_intermediate_size // tp.size)
                                      for _ in range(cfg.num_experts))
 

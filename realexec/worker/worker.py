@@ -23,6 +23,7 @@ from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.attention.torch_backend import TorchAttentionBackend
 from realexec.config import EngineArgs
 from realexec.kernels.block_ops import copy_blocks, swap_blocks
+from realexec.models.linear import pack_weights, set_parameter
 from realexec.models.loader import load_model
 from realexec.worker.model_runner import ModelRunner
 from realexec.distributed import ParallelLayout, check_tensor_parallel, init_distributed, stage_layer_ranges
@@ -74,6 +75,7 @@ class Worker:
         self.model = None
         self.model_config = None
         self.tokenizer = None
+        self.weight_format: dict | None = None     # CPU: what pack_weights did
         self.runner: ModelRunner | None = None
         self.gpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cpu_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -111,13 +113,20 @@ class Worker:
     def load_model(self):
         """-> the ModelConfig (the tokenizer stays on the worker: `self.tokenizer`)."""
         args = self.args
-        self.model, self.model_config, self.tokenizer = load_model(
-            args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp, pp=self.pp,
-            with_tokenizer=self.with_tokenizer)
+        self.model, self.model_config, self.tokenizer = self._load(with_tokenizer=self.with_tokenizer)
         check_tensor_parallel(self.model_config, self.layout.tp)
         sampler = Sampler(self.device, args.seed) if self.is_output_rank else None
         self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp, self.pp)
         return self.model_config
+
+    def _load(self, with_tokenizer: bool):
+        """(model, config, tokenizer) of this rank, its projections packed on the CPU."""
+        args = self.args
+        loaded = load_model(args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp,
+                            pp=self.pp, with_tokenizer=with_tokenizer)
+        if self.device.type == "cpu":
+            self.weight_format = pack_weights(loaded[0], args.cpu_weight_format)
+        return loaded
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -301,7 +310,7 @@ class Worker:
                 if level == 1:
                     self._offloaded[name] = p.data.to("cpu", copy=True).pin_memory()
                 released += p.numel() * p.element_size()
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                set_parameter(self.model, name, torch.empty(0, dtype=p.dtype, device=p.device))
         self.runner.reset_states()
         gc.collect()                     # tensors caught in reference cycles go now, not later
         if self.device.type == "cuda":
@@ -315,15 +324,14 @@ class Worker:
         if not self.sleep_level:
             return
         if self.sleep_level == 2:
-            fresh, _, _ = load_model(self.args.model, self.args.dtype, self.device,
-                                     attn_backend=self._backend(), tp=self.tp, pp=self.pp, with_tokenizer=False)
+            fresh, _, _ = self._load(with_tokenizer=False)
             sources = dict(fresh.named_parameters())
         else:
             sources = self._offloaded
-        for name, p in self.model.named_parameters():
+        for name, _ in list(self.model.named_parameters()):
             if name in sources:       # level 2: the fresh tensors are already on the device
                 src = sources[name]
-                p.data = src.data if self.sleep_level == 2 else src.to(self.device, copy=True)
+                set_parameter(self.model, name, src.data if self.sleep_level == 2 else src.to(self.device, copy=True))
         self._offloaded = {}
         self.sleep_level = 0
         self.initialize_cache(*self._cache_blocks)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from realexec.models import MODEL_REGISTRY, REFUSED, ModelConfig, check_architecture
+from realexec.models.linear import pack_weights
 from realexec.models.loader import load_model, read_model_config
 from tests.realexec.models.hf_parity import (ENGINE, PROMPTS, check_chunks_decodes_prefix_hit, check_greedy,
                                              check_prefill_batch, engine_run, hf_greedy)
@@ -45,6 +46,8 @@ def tiny(request, checkpoints):
     kind, backend = request.param
     path, hf = checkpoints[kind]
     ours, cfg, _ = load_model(path, dtype=torch.float32, attn_backend=backend)
+    if backend == "cpu":         # the CPU engine's path: the kernel and packed projections
+        pack_weights(ours, "packed")
     assert cfg.architecture == ARCHS[kind] == type(hf).__name__
     return ours, hf
 

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from realexec.models import ModelConfig  # noqa: E402
 from realexec.models.gemma2 import Gemma2ForCausalLM  # noqa: E402
+from realexec.models.linear import pack_weights  # noqa: E402
 from realexec.models.loader import load_model, read_model_config  # noqa: E402
 from tests.realexec.models.hf_parity import (  # noqa: E402
     check_chunks_decodes_prefix_hit, check_engine, check_greedy, check_prefill_batch)
@@ -40,6 +41,8 @@ def checkpoint(tmp_path_factory):
 def tiny(request, checkpoint):
     path, hf = checkpoint
     ours, cfg, _ = load_model(path, dtype=torch.float32, attn_backend=request.param)
+    if request.param == "cpu":         # the CPU engine's path: the kernel and packed projections
+        pack_weights(ours, "packed")
     assert isinstance(ours, Gemma2ForCausalLM) and ours.layers[0].self_attn.backend.name == request.param
     return ours, hf
 

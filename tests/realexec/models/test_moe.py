@@ -20,6 +20,7 @@ from core import SamplingParams
 from realexec.distributed import TPGroup, check_tensor_parallel
 from realexec.models import ModelConfig
 from realexec.models import moe as moe_module
+from realexec.models.linear import pack_weights
 from realexec.models.loader import load_model
 from realexec.models.moe import SparseMoeBlock
 from tests.realexec.models.hf_parity import check_chunks_decodes_prefix_hit, check_prefill_batch
@@ -40,6 +41,8 @@ def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"tiny-{family}")
     hf = save_tiny_moe(path, family, **FAMILIES[family])
     ours, cfg, _ = load_model(path, dtype=torch.float32, attn_backend=backend)
+    if backend == "cpu":         # the CPU engine's path: the kernel and packed projections
+        pack_weights(ours, "packed")
     assert cfg.architecture == type(hf).__name__ and cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
     return ours, hf
 
