@@ -24,12 +24,18 @@
 // visited block by block (no gather): a block's keys are transposed into a [D][block_size]
 // scratch so q.k vectorizes over keys, then an online softmax (running max m, sum l)
 // accumulates p.v over D.
+//
+// A decode (one query token) is one work item for all heads of its sequence; decodes are
+// memory-bound (each K/V float feeds G FMAs), see attend_decode_vec. With fewer work items
+// than about twice the threads, long decodes are split into runs of key blocks
+// (flash-decoding) whose softmax states are combined after the parallel loop.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include <omp.h>
@@ -138,7 +144,9 @@ inline void scores4(const float* __restrict q, int64_t qstride, const float* __r
 
 struct Item {
     int seq, head, j0, j1;   // sequence, kv head (-1: a decode, all heads), query tokens [j0, j1)
+                             // (a decode: its key blocks [j0, j1))
     int64_t cost;            // keys x rows, for ordering the dynamic schedule
+    int part = -1;           // a split decode's slot in the partial results (-1: not split)
 };
 
 struct Args {
@@ -151,6 +159,8 @@ struct Args {
     int64_t window;     // sliding window (0: none)
     float soft_cap;     // logit soft cap (0: none)
     float* out;
+    float* part_ml;     // split decodes: per part, the rows' running max m then sum l
+    float* part_acc;    // split decodes: per part, the rows' unnormalized p.v [rows][D]
 };
 
 // Soft-cap scores sr[lo, hi) in place: s -> c * tanh(s / c), vectorized as
@@ -163,10 +173,12 @@ inline void soft_cap_scores(float* __restrict sr, int64_t lo, int64_t hi, float 
 }
 
 struct Scratch {   // one per thread
-    std::vector<float> qs, acc, kt, s, m, l;
+    std::vector<float> qs, acc, kt, s, m, l, alpha;
     std::vector<int> pos;
-    Scratch(int64_t rows, int64_t D, int64_t BS)
-        : qs(rows * D), acc(rows * D), kt(D * BS), s(rows * BS), m(rows), l(rows), pos(rows) {}
+    std::unique_ptr<float[]> xs;   // decode: [G][block_size][kW] lane-wise partial dot products (uninitialized)
+    Scratch(int64_t rows, int64_t D, int64_t BS, int64_t G)
+        : qs(rows * D), acc(rows * D), kt(D * BS), s(rows * BS), m(rows), l(rows), alpha(rows), pos(rows),
+          xs(new float[G * BS * 16]) {}
 };
 
 // One work item. kBS / kD: compile-time block size and head size (0: the runtime values),
@@ -311,6 +323,258 @@ void attend_decode(const Args& a, const Item& it, Scratch& sc) {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Vectorized decode (block size and head size multiples of the vector width, the common
+// shapes): GCC vector extensions, so the same source builds zmm code on AVX-512 and ymm
+// code elsewhere.
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float vf __attribute__((vector_size(kW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kW * sizeof(int32_t))));
+
+inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// One level of the horizontal-sum tree: x and y each hold keys in chunks of c lanes; the
+// result holds twice the keys in chunks of c / 2 (x's chunk i folded into lanes
+// [i*c, i*c + c/2), y's into [i*c + c/2, (i+1)*c)).
+template <int c>
+inline vf fold_pair(vf x, vf y) {
+    vi lo, hi;
+    for (int L = 0; L < kW; ++L) {
+        lo[L] = L % c < c / 2 ? L : kW + L - c / 2;
+        hi[L] = lo[L] + c / 2;
+    }
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// r[t] = sum of the lanes of x[t], t < kW: the dot products of kW keys from their
+// lane-wise partial sums, with kW - 1 shuffle pairs instead of a reduction per key. Pairing
+// t with t + half at each level leaves key t in lane t at the end.
+inline vf hsum_keys(vf* x) {
+    for (int t = 0; t < kW / 2; ++t) x[t] = fold_pair<kW>(x[t], x[t + kW / 2]);
+    for (int t = 0; t < kW / 4; ++t) x[t] = fold_pair<kW / 2>(x[t], x[t + kW / 4]);
+    for (int t = 0; t < kW / 8; ++t) x[t] = fold_pair<kW / 4>(x[t], x[t + kW / 8]);
+    if constexpr (kW == 16) x[0] = fold_pair<2>(x[0], x[1]);
+    return x[0];
+}
+
+// exp_poly over a vector (the same steps, so the same results lane by lane); rounding to
+// the nearest integer by adding and subtracting 1.5 * 2^23 (|v * log2 e| < 128 here; this
+// relies on no -ffast-math, which could fold the pair away).
+inline vf exp_vec(vf v) {
+    const vf lo = v < -87.3f ? vf{} + 1.0f : vf{};   // lanes that underflow (-inf included)
+    v = v < -87.3f ? vf{} - 87.3f : v;
+    v = v > 88.3f ? vf{} + 88.3f : v;
+    const vf k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf r = v - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    vf p = vf{} + 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(k, vi) + 127) << 23;
+    return lo != 0.0f ? vf{} : p * (vf)bits;   // a vector cast reinterprets the bits
+}
+
+// x with its lanes rotated by `by` (the steps of a reduction tree).
+template <int by>
+inline vf rotate(vf x) {
+    vi idx;
+    for (int L = 0; L < kW; ++L) idx[L] = (L + by) % kW;
+    return __builtin_shuffle(x, idx);
+}
+
+inline float hmax(vf x) {
+    if constexpr (kW == 16) x = x > rotate<8>(x) ? x : rotate<8>(x);
+    x = x > rotate<4>(x) ? x : rotate<4>(x);
+    x = x > rotate<2>(x) ? x : rotate<2>(x);
+    x = x > rotate<1>(x) ? x : rotate<1>(x);
+    return x[0];
+}
+
+inline float hsum(vf x) {   // a tree, not a chain of kW dependent adds
+    if constexpr (kW == 16) x += rotate<8>(x);
+    x += rotate<4>(x);
+    x += rotate<2>(x);
+    x += rotate<1>(x);
+    return x[0];
+}
+
+// p.v for NR query rows of one kv head over keys [lo, n) of a block: each value row is
+// loaded once for the NR rows (NR x NV accumulators in registers), what the rows
+// accumulated so far is first rescaled by their alpha.
+template <int NR, int NV>
+inline void pv_rows(float* __restrict acc, const float* __restrict p, int64_t pstride, const float* alpha,
+                    const float* __restrict vh, int64_t row, int64_t lo, int64_t n) {
+    vf a[NR][NV];
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < NV; ++j) a[i][j] = loadu(acc + (i * NV + j) * kW) * alpha[i];
+    for (int64_t t = lo; t < n; ++t) {
+        const float* vt = vh + t * row;
+        vf v[NV];
+        for (int j = 0; j < NV; ++j) v[j] = loadu(vt + j * kW);
+        for (int i = 0; i < NR; ++i) {
+            const float pt = p[i * pstride + t];
+            for (int j = 0; j < NV; ++j) a[i][j] += pt * v[j];
+        }
+    }
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < NV; ++j) storeu(acc + (i * NV + j) * kW, a[i][j]);
+}
+
+// attend_decode for kBS % kW == 0 and kD % kW == 0. Per block and kv head: the G query
+// rows' q.k for each key as a lane-wise product over D (a vector, no reduction per key),
+// with the key's value row prefetched alongside so K and V stream together; then per row
+// one horizontal-sum tree turns kW such vectors into kW scores, and the online softmax
+// runs on vectors; p.v loads each value row once for up to 16 / NV rows at a time.
+template <int kBS, int kD>
+void attend_decode_vec(const Args& a, const Item& it, Scratch& sc) {
+    static_assert(kBS % kW == 0 && kD % kW == 0, "vector shapes");
+    constexpr int NV = kD / kW, NB = kBS / kW;
+    constexpr int kRows = NV >= 16 ? 1 : 16 / NV;   // p.v rows per pass (accumulators <= 16 vectors: 4 or 2)
+    const int64_t G = a.G, row = a.row, H = a.num_heads / a.G, rows = a.num_heads;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const int32_t t_out = a.query_start_loc[it.seq];
+    const int64_t num_keys = a.seq_lens[it.seq];
+    const int32_t* table = a.block_tables + it.seq * a.bt_stride;
+    float* __restrict qs = sc.qs.data();
+    float* __restrict acc = sc.acc.data();
+    float* __restrict xs = sc.xs.get();
+    float* __restrict ps = sc.s.data();      // [g][key] probabilities of the block
+    float* m = sc.m.data();
+    float* l = sc.l.data();
+    float* alpha = sc.alpha.data();
+    const float* src = a.q + t_out * a.q_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < kD; ++d) qs[r * kD + d] = src[r * kD + d] * a.scale;
+        m[r] = neg_inf;
+        l[r] = 0.0f;
+    }
+    std::fill(acc, acc + rows * kD, 0.0f);
+    vi iota;
+    for (int L = 0; L < kW; ++L) iota[L] = L;
+    const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, num_keys - a.window) : 0;
+    // The item's key blocks (a split decode's share of them); first_key's block or later.
+    const int64_t end = std::min<int64_t>(num_keys, int64_t(it.j1) * kBS);
+    for (int64_t b0 = int64_t(it.j0) * kBS; b0 < end; b0 += kBS) {
+        const int64_t n = std::min<int64_t>(kBS, num_keys - b0);
+        const int64_t lo = std::max<int64_t>(0, first_key - b0);   // keys before lo: outside the window
+        const float* kb = a.k_cache + int64_t(table[b0 / kBS]) * kBS * row;
+        const float* vb = a.v_cache + int64_t(table[b0 / kBS]) * kBS * row;
+        for (int64_t h = 0; h < H; ++h) {
+            const float* kh = kb + h * kD;
+            const float* vh = vb + h * kD;
+            // 1. Lane-wise q.k of the group's rows for every key of the block.
+            for (int64_t t = lo; t < n; ++t) {
+                const float* kt = kh + t * row;
+                for (int j = 0; j < kD; j += 16) __builtin_prefetch(vh + t * row + j);
+                vf kv[NV];
+                for (int j = 0; j < NV; ++j) kv[j] = loadu(kt + j * kW);
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* qr = qs + (h * G + g) * kD;
+                    vf y = loadu(qr) * kv[0];
+                    for (int j = 1; j < NV; ++j) y += loadu(qr + j * kW) * kv[j];
+                    storeu(xs + (g * kBS + t) * kW, y);
+                }
+            }
+            // 2. Per row: the block's scores, masked, soft-capped, into the online softmax.
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t r = h * G + g;
+                vf sv[NB];
+                for (int c = 0; c < NB; ++c) {
+                    vf x[kW];
+                    for (int t = 0; t < kW; ++t) {   // keys outside [lo, n) were not computed
+                        const int64_t key = c * kW + t;
+                        x[t] = key >= lo && key < n ? loadu(xs + (g * kBS + key) * kW) : vf{};
+                    }
+                    sv[c] = hsum_keys(x);
+                }
+                float mx = m[r];
+                for (int c = 0; c < NB; ++c) {
+                    const vi key = iota + c * kW;
+                    if (a.soft_cap > 0.0f)   // c * tanh(s / c) = c * (1 - 2 / (exp(2 s / c) + 1))
+                        sv[c] = a.soft_cap * (1.0f - 2.0f / (exp_vec(sv[c] * (2.0f / a.soft_cap)) + 1.0f));
+                    sv[c] = key >= int(lo) && key < int(n) ? sv[c] : vf{} + neg_inf;
+                    mx = std::max(mx, hmax(sv[c]));
+                }
+                // alpha rescales what the row accumulated so far to the new running max.
+                alpha[g] = mx == m[r] ? 1.0f : m[r] == neg_inf ? 0.0f : std::exp(m[r] - mx);
+                float sum = 0.0f;
+                for (int c = 0; c < NB; ++c) {
+                    const vf p = exp_vec(sv[c] - mx);
+                    sum += hsum(p);
+                    storeu(ps + g * kBS + c * kW, p);
+                }
+                l[r] = l[r] * alpha[g] + sum;
+                m[r] = mx;
+            }
+            // 3. p.v, kRows rows at a time.
+            float* ah = acc + h * G * kD;
+            for (int64_t g = 0; g < G;) {
+                const int64_t nr = std::min<int64_t>(kRows, G - g);
+                float* ag = ah + g * kD;
+                const float* pg = ps + g * kBS;
+                if (nr >= 4 && kRows >= 4) pv_rows<kRows >= 4 ? 4 : 1, NV>(ag, pg, kBS, alpha + g, vh, row, lo, n);
+                else if (nr == 3) pv_rows<kRows >= 3 ? 3 : 1, NV>(ag, pg, kBS, alpha + g, vh, row, lo, n);
+                else if (nr == 2) pv_rows<kRows >= 2 ? 2 : 1, NV>(ag, pg, kBS, alpha + g, vh, row, lo, n);
+                else pv_rows<1, NV>(ag, pg, kBS, alpha + g, vh, row, lo, n);
+                g += nr >= 4 && kRows >= 4 ? 4 : nr == 3 ? 3 : nr == 2 ? 2 : 1;
+            }
+        }
+    }
+    if (it.part >= 0) {   // a share of a split decode: the combine step normalizes
+        float* ml = a.part_ml + int64_t(it.part) * 2 * rows;
+        std::copy(m, m + rows, ml);
+        std::copy(l, l + rows, ml + rows);
+        std::copy(acc, acc + rows * kD, a.part_acc + int64_t(it.part) * rows * kD);
+        return;
+    }
+    float* dst = a.out + t_out * rows * kD;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < kD; ++d) dst[r * kD + d] = acc[r * kD + d] * inv;
+    }
+}
+
+// The vectorized decode's shapes (also the ones a decode may be split for).
+inline bool decode_vec_shape(int64_t BS, int64_t D) {
+    return (BS == 16 && (D == 32 || D == 64 || D == 128)) || (BS == 32 && (D == 64 || D == 128));
+}
+
+struct Split {
+    int seq, part0, parts;   // a decode split into parts [part0, part0 + parts)
+};
+
+// Flash-decoding's combine: the parts' softmax states rescaled to their common max.
+void combine_split(const Split& sp, const int32_t* query_start_loc, int64_t rows, int64_t D, const float* part_ml,
+                   const float* part_acc, float* out) {
+    float* dst = out + int64_t(query_start_loc[sp.seq]) * rows * D;
+    for (int64_t r = 0; r < rows; ++r) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int p = 0; p < sp.parts; ++p) mx = std::max(mx, part_ml[int64_t(sp.part0 + p) * 2 * rows + r]);
+        float* o = dst + r * D;
+        std::fill(o, o + D, 0.0f);
+        float sum = 0.0f;
+        for (int p = 0; p < sp.parts; ++p) {
+            const float* ml = part_ml + int64_t(sp.part0 + p) * 2 * rows;
+            const float w = std::exp(ml[r] - mx);
+            sum += w * ml[rows + r];
+            const float* ar = part_acc + (int64_t(sp.part0 + p) * rows + r) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += w * ar[d];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -374,7 +638,8 @@ int twinserve_paged_attention_f32(
         }
         if (q_len == 1) {
             const int64_t keys = window > 0 ? std::min<int64_t>(seq_len, window) : seq_len;
-            items.push_back({int(i), -1, 0, 1, keys * num_heads});
+            const int64_t first = seq_len - keys;   // the first key in the window
+            items.push_back({int(i), -1, int(first / BS), int((seq_len + BS - 1) / BS), keys * num_heads});
             continue;
         }
         for (int j0 = 0; j0 < q_len; j0 += tile) {
@@ -384,26 +649,60 @@ int twinserve_paged_attention_f32(
             for (int h = 0; h < H; ++h) items.push_back({int(i), h, j0, j1, cost});
         }
     }
+    // Split-K (flash-decoding): with fewer work items than about twice the threads, long
+    // decodes are cut into runs of key blocks computed in parallel, then combined.
+    std::vector<Split> splits;
+    int num_parts = 0;
+    const int64_t nthreads = omp_get_max_threads();
+    if (nthreads > 1 && int64_t(items.size()) < 2 * nthreads && decode_vec_shape(BS, D)) {
+        constexpr int kMinBlocksPerPart = 4;
+        const int64_t want = (2 * nthreads + int64_t(items.size()) - 1) / int64_t(items.size());
+        std::vector<Item> split_items;
+        for (const Item& it : items) {
+            const int blocks = it.j1 - it.j0;
+            const int parts = it.head >= 0 ? 1 : int(std::min<int64_t>(want, blocks / kMinBlocksPerPart));
+            if (parts < 2) {
+                split_items.push_back(it);
+                continue;
+            }
+            splits.push_back({it.seq, num_parts, parts});
+            for (int p = 0; p < parts; ++p) {
+                const int b_lo = it.j0 + int(int64_t(blocks) * p / parts);
+                const int b_hi = it.j0 + int(int64_t(blocks) * (p + 1) / parts);
+                split_items.push_back({it.seq, -1, b_lo, b_hi, it.cost * (b_hi - b_lo) / blocks, num_parts + p});
+            }
+            num_parts += parts;
+        }
+        items.swap(split_items);
+    }
+    std::vector<float> part_ml(int64_t(num_parts) * 2 * num_heads), part_acc(int64_t(num_parts) * num_heads * D);
+
     std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
     const int64_t num_items = static_cast<int64_t>(items.size());
+    const int64_t num_splits = static_cast<int64_t>(splits.size());
 
 #pragma omp parallel
     {
-        Scratch sc(std::max(tile * G, num_heads), D, BS);
+        Scratch sc(std::max(tile * G, num_heads), D, BS, G);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < num_items; ++w) {
             const Args a{q, q_stride, k_cache, v_cache, block_tables, bt_stride, query_start_loc, seq_lens,
-                         num_heads, G, D, BS, row, scale, window, soft_cap, out};
+                         num_heads, G, D, BS, row, scale, window, soft_cap, out, part_ml.data(), part_acc.data()};
             if (items[w].head < 0) {
-                if (BS == 16 && D == 64) attend_decode<16, 64>(a, items[w], sc);
-                else if (BS == 16 && D == 128) attend_decode<16, 128>(a, items[w], sc);
-                else if (BS == 32 && D == 64) attend_decode<32, 64>(a, items[w], sc);
-                else attend_decode<0, 0>(a, items[w], sc);
+                if (BS == 16 && D == 32) attend_decode_vec<16, 32>(a, items[w], sc);
+                else if (BS == 16 && D == 64) attend_decode_vec<16, 64>(a, items[w], sc);
+                else if (BS == 16 && D == 128) attend_decode_vec<16, 128>(a, items[w], sc);
+                else if (BS == 32 && D == 64) attend_decode_vec<32, 64>(a, items[w], sc);
+                else if (BS == 32 && D == 128) attend_decode_vec<32, 128>(a, items[w], sc);
+                else attend_decode<0, 0>(a, items[w], sc);   // other shapes: never split
             } else if (BS == 16 && D == 64) attend<16, 64>(a, items[w], sc);
             else if (BS == 16 && D == 128) attend<16, 128>(a, items[w], sc);
             else if (BS == 32 && D == 64) attend<32, 64>(a, items[w], sc);
             else attend<0, 0>(a, items[w], sc);
         }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_splits; ++i)
+            combine_split(splits[i], query_start_loc, num_heads, D, part_ml.data(), part_acc.data(), out);
     }
     return 0;
 }

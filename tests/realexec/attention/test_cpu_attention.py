@@ -93,12 +93,12 @@ class Step:
         self.v = kv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(T, kv_heads, head_dim)
         self.scale = head_dim ** -0.5
 
-    def run(self, backend, fill=None):
+    def run(self, backend, fill=None, **options):
         kc, vc = self.k_cache.clone(), self.v_cache.clone()
         if fill is not None:     # replace the poison by finite junk (for the reference's padded reads)
             kc = torch.nan_to_num(kc, nan=fill)
             vc = torch.nan_to_num(vc, nan=fill)
-        out = backend.forward(self.q, self.k, self.v, kc, vc, self.md, self.scale)
+        out = backend.forward(self.q, self.k, self.v, kc, vc, self.md, self.scale, **options)
         return out, kc, vc
 
     def check_dense(self, out):
@@ -244,3 +244,82 @@ def test_a_failed_build_reports_the_compiler_error(monkeypatch, tmp_path):
     with pytest.raises(cpu_backend.KernelBuildError, match="building the CPU attention kernel failed"):
         cpu_backend.load_library()
     assert not list((tmp_path / "cache" / "kernels").glob("*.so")), "a failed build left a library behind"
+
+
+# ----------------------------------------------------------------------------- the decode path
+# Decodes (one query token) of the common shapes run a vectorized kernel (block size and
+# head size multiples of the vector width) and, with fewer work items than about twice the
+# threads, are split over the threads by runs of key blocks and combined (flash-decoding).
+
+DECODE_LENS = [1, 2, 15, 16, 17, 31, 33, 100, 257, 700, 1029]   # keys incl. the new token
+
+
+def decode_step(lens, *, block_size, group, head_dim, seed, kv_heads=2):
+    return Step([(n - 1, 1, None) for n in lens], block_size=block_size, kv_heads=kv_heads, group=group,
+                head_dim=head_dim, seed=seed)
+
+
+def check_against_reference(step, backend, tol=TOL, **options):
+    """NaN outside the contexts stays out of the output; the output equals the torch reference."""
+    out, _, _ = step.run(backend, **options)
+    assert torch.isfinite(out).all(), "read a cache row it must not read"
+    ref, _, _ = step.run(TorchAttentionBackend(), fill=0.0, **options)
+    torch.testing.assert_close(out, ref, **tol)
+    return out
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 32), (128, 32), (32, 16), (64, 8)])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_many_decodes_of_mixed_lengths(head_dim, block_size, group):
+    """40 decodes, lengths on both sides of block boundaries, GQA 1/3/4 (the last shape,
+    block 8, takes the generic path)."""
+    rnd = random.Random(head_dim + block_size + group)
+    step = decode_step(rnd.choices(DECODE_LENS, k=40), block_size=block_size, group=group, head_dim=head_dim,
+                       seed=group)
+    out = check_against_reference(step, CpuAttentionBackend())
+    step.check_dense(out)
+
+
+WINDOW_CAP = dict(atol=2e-5, rtol=1e-4)   # test_window_softcap's tolerance (tanh by exp)
+
+
+@pytest.mark.parametrize("window,cap", [(5, None), (16, None), (17, None), (None, 2.0), (100, 30.0), (1, None)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
+def test_decode_windows_and_soft_caps(window, cap, head_dim, block_size):
+    lens = [1, 4, 5, 6, 16, 17, 18, 33, 99, 100, 101, 130, 700]
+    step = decode_step(lens, block_size=block_size, group=3, head_dim=head_dim, seed=5)
+    got = check_against_reference(step, CpuAttentionBackend(), tol=WINDOW_CAP, sliding_window=window,
+                                  logits_soft_cap=cap)
+    plain, _, _ = step.run(TorchAttentionBackend(), fill=0.0)
+    assert (got[-1] - plain[-1]).abs().max() > 1e-3, "the options must change the long sequence"
+
+
+@pytest.fixture
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("window,cap", [(None, None), (300, None), (None, 5.0)])
+@pytest.mark.parametrize("lens", [[1500], [1029, 700, 65], [2, 900]], ids=["one", "three", "two"])
+def test_few_long_decodes_split_over_threads(threads, window, cap, lens):
+    """With 2 threads and fewer decodes than 4, long ones are split into runs of key blocks
+    and combined; 1 thread computes them whole. Both equal the reference."""
+    step = decode_step(lens, block_size=16, group=3, head_dim=64, seed=len(lens), kv_heads=3)
+    check_against_reference(step, CpuAttentionBackend(), tol=WINDOW_CAP, sliding_window=window,
+                            logits_soft_cap=cap)
+
+
+def test_split_decodes_next_to_a_prefill():
+    """A step with one long decode and one short prefill (2 work items < 2 x 2 threads)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        step = Step([(900, 1, None), (0, 5, None)], block_size=16, kv_heads=3, group=3, head_dim=64, seed=9)
+        out = check_against_reference(step, CpuAttentionBackend())
+        step.check_dense(out)
+    finally:
+        torch.set_num_threads(saved)
