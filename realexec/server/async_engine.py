@@ -281,10 +281,9 @@ class AsyncEngine:
             self.metrics.request_finished_reason("abort")
 
     def _route(self, outputs: list["RequestOutput"], deliveries) -> None:
-        metrics = self.metrics
+        if self.metrics is not None:
+            self.metrics.outputs(outputs)
         for out in outputs:
-            if metrics is not None:
-                metrics.output(out)
             target = self._streams.get(out.request_id)
             if target is None:
                 continue

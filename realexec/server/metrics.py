@@ -145,12 +145,22 @@ class ServerMetrics:
         self._rejected.labels(self.model_name, code).inc()
 
     def output(self, out: "RequestOutput") -> None:
-        """Called by the engine thread for every RequestOutput."""
-        generated = sum(len(c.token_ids_delta) for c in out.outputs)
+        """One RequestOutput (see `outputs`)."""
+        self.outputs([out])
+
+    def outputs(self, outs: "list[RequestOutput]") -> None:
+        """Called by the engine thread with each step's RequestOutputs: the generated tokens
+        are counted once per step (a counter update takes a lock), finished requests observed."""
+        generated = 0
+        for out in outs:
+            for c in out.outputs:
+                generated += len(c.token_ids_delta)
+            if out.finished:
+                self._finished(out)
         if generated:
             self.generation_tokens.inc(generated)
-        if not out.finished:
-            return
+
+    def _finished(self, out: "RequestOutput") -> None:
         m = out.metrics
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.request_finished_reason(reason or "stop")

@@ -9,6 +9,7 @@ include_stop_str_in_output, cache_salt.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
@@ -227,6 +228,40 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# ----------------------------------------------------------------------------- streamed chunks, fast
+# One SSE event per token per choice: building and dumping a pydantic model for each costs
+# more than the JSON itself. These write the same bytes as the models' model_dump_json()
+# (compact separators, non-ASCII as UTF-8; test_server_schema checks them against the
+# models) for the common case without logprobs; chunks with logprobs use the models.
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+def completion_choice_json(index: int, text: str, finish_reason: str | None,
+                           stop_reason: str | int | None) -> str:
+    """CompletionChoice(index=..., text=..., logprobs=None, ...).model_dump_json()."""
+    return (f'{{"index":{index:d},"text":{_dumps(text)},"logprobs":null,'
+            f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}')
+
+
+def chat_chunk_choice_json(index: int, content: str | None, finish_reason: str | None,
+                           stop_reason: str | int | None) -> str:
+    """ChatChunkChoice(index=..., delta=DeltaMessage(content=content), logprobs=None, ...)
+    .model_dump_json(); content None is the empty delta `{}`."""
+    delta = "{}" if content is None else f'{{"content":{_dumps(content)}}}'
+    return (f'{{"index":{index:d},"delta":{delta},"logprobs":null,'
+            f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}')
+
+
+def chat_chunk_frame(request_id: str, created: int, model: str, include_usage: bool) -> tuple[str, str]:
+    """(head, tail) of a ChatCompletionChunk's JSON around its choices: head + choice + tail is
+    the chunk's model_dump_json() (with `"usage":null` when `include_usage`, else without)."""
+    empty = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[])
+    text = empty.model_dump_json() if include_usage else empty.model_dump_json(exclude={"usage"})
+    head, sep, tail = text.partition('"choices":[]')
+    return head + '"choices":[', "]" + tail
 
 
 class ModelCard(BaseModel):

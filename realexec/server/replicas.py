@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from contextlib import contextmanager
 
 from realexec.server.lifecycle import DrainingServer
@@ -31,7 +32,14 @@ def run_replicas(servers: list[ReplicaServer]) -> None:
 
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        asyncio.run(_serve_all(servers))
+        # uvicorn's own loop choice (uvloop when installed: `server` extra), as Server.run makes it
+        get_factory = getattr(servers[0].config, "get_loop_factory", None)
+        factory = get_factory() if get_factory is not None else None
+        if factory is not None and sys.version_info >= (3, 11):
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(_serve_all(servers))
+        else:
+            asyncio.run(_serve_all(servers))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -534,7 +534,11 @@ def test_queue_limit_answers_503(tiny_dir):
                            "prompt")
                 assert e["code"] == "invalid_value" and "--max-waiting-requests 1" in e["message"]
         assert client.get("/health").json() == {"status": "ok"}
-        # both streams were closed by the client: the engine drains and serves again
+        # both streams were closed by the client: the engine aborts both (on the engine thread,
+        # after the server noticed the disconnects: not before this client's next request can
+        # arrive, so wait for it) and serves again
+        wait_for(lambda: metrics(client)["twinserve:num_requests_waiting"] == 0
+                 and metrics(client)["twinserve:num_requests_running"] == 0, what="both streams aborted")
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, **IGNORE_EOS})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
