@@ -234,7 +234,8 @@ def _run_ours(args, engine, engine_args, trace) -> dict:
     n = len(requests)
     print(f"model {engine_args.model or 'embedded SmolLM2-135M-Instruct'} | device {device} | dtype "
           f"{str(dtype).removeprefix('torch.')} | threads {torch.get_num_threads() if device.type == 'cpu' else '-'} "
-          f"| {n} requests, mean prompt {sum(len(i) for i, _ in requests) / n:.0f} tokens, "
+          + (f"| weights {engine_args.cpu_weight_format} " if device.type == "cpu" else "")
+          + f"| {n} requests, mean prompt {sum(len(i) for i, _ in requests) / n:.0f} tokens, "
           f"mean max_tokens {sum(m for _, m in requests) / n:.1f}"
           + (f" (cap {args.max_tokens_cap})" if args.max_tokens_cap else ""), flush=True)
     pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
