@@ -127,6 +127,11 @@ class EngineArgs:
     simulate_output: str = _arg(
         "random", "--simulate: the tokens answered: random (seeded draws from the tokenizer's vocabulary, "
                   "no special tokens) | echo (the prompt's tokens, repeated)", choices=("random", "echo"))
+    sim_first_token_no_text: float = _arg(
+        0.0, "--simulate, random output: the share of requests (seeded per request) whose first token is a "
+             "special token without text, as a real model's end-of-turn token that ignore_eos runs past: "
+             "their first streamed chunk comes one step later, as from the real server (SmolLM2 on the "
+             "ShareGPT completions: about 0.2) [0]", metavar="SHARE")
 
     def validate(self) -> None:
         def positive(name):
@@ -143,7 +148,8 @@ class EngineArgs:
             raise ValueError(f"swap-space must be >= 0 GiB, got {self.swap_space}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.simulate is not None or self.sim_model is not None or self.sim_hardware is not None:
+        if self.simulate is not None or self.sim_model is not None or self.sim_hardware is not None \
+                or self.sim_first_token_no_text:
             check_simulate_args(self)      # a simulated engine runs no workers: no backend to check
         elif self.executor_backend() == "uni" and self.world_size > 1:
             raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
@@ -212,7 +218,12 @@ def check_simulate_args(args: EngineArgs) -> None:
         for flag in ("sim_model", "sim_hardware"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} only applies with --simulate roofline")
+        if args.sim_first_token_no_text:
+            raise ValueError("--sim-first-token-no-text only applies with --simulate")
         return
+    if not 0.0 <= args.sim_first_token_no_text <= 1.0:
+        raise ValueError(f"--sim-first-token-no-text is a share of requests: it must be in [0, 1], "
+                         f"got {args.sim_first_token_no_text}")
     if args.simulate_output not in OUTPUT_MODES:
         raise ValueError(f"simulate-output must be one of {', '.join(OUTPUT_MODES)}, got {args.simulate_output!r}")
     if args.pipeline_parallel_size > 1:

@@ -64,6 +64,9 @@ def add_vs_real_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--loads", default=DEFAULT_LOADS,
                         help=f"name=rate (req/s) pairs, one pair of runs each [{DEFAULT_LOADS}]")
     parser.add_argument("--engine-args", default="", help="more serve flags for both servers (one string)")
+    parser.add_argument("--sim-args", default="",
+                        help="more serve flags for the simulated server only (one string), e.g. "
+                             "'--sim-first-token-no-text 0.2'")
     parser.add_argument("--out", default="results/simulate_vs_real", help="output directory [results/simulate_vs_real]")
     return parser
 
@@ -172,7 +175,7 @@ def run_vs_real(args) -> int:
     env = {"OMP_NUM_THREADS": "1"}
     for load, rate in loads:
         runs[load] = {}
-        for kind, extra in (("real", []), ("simulated", ["--simulate", str(cost_model)])):
+        for kind, extra in (("real", []), ("simulated", ["--simulate", str(cost_model)] + shlex.split(args.sim_args))):
             print(f"simulate-vs-real: {load} ({rate:g} req/s), {kind} server: serve {' '.join(flags + extra)}",
                   flush=True)
             with realexec_server(flags + extra, out / f"{load}-{kind}.log", env=env, ready_timeout=300,
@@ -185,7 +188,8 @@ def run_vs_real(args) -> int:
     table = comparison_table(runs)
     print(table)
     meta = {"cost_model": str(cost_model), "trace": args.trace, "num_requests": args.num_requests,
-            "max_tokens_cap": args.max_tokens_cap, "loads": dict(loads), "serve_flags": flags}
+            "max_tokens_cap": args.max_tokens_cap, "loads": dict(loads), "serve_flags": flags,
+            "sim_flags": shlex.split(args.sim_args)}
     (out / "comparison.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
     (out / "comparison.md").write_text(table + "\n")
     print(f"saved {out / 'comparison.md'} and {out / 'comparison.json'}")

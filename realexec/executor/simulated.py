@@ -18,7 +18,11 @@ AsyncEngine and the HTTP server run unchanged on top of it. Per step it
     special tokens (so EOS never ends a simulated request: it runs to max_tokens, a stop
     string or a stop token id), or with `--simulate-output echo` the prompt's tokens
     repeated. Greedy requests ignore the seed, seeded requests depend only on their seed,
-    unseeded random ones also on the server's --seed and their arrival order.
+    unseeded random ones also on the server's --seed and their arrival order. With
+    `--sim-first-token-no-text SHARE` that share of requests (a seeded draw per sequence)
+    starts with a special token that has no text (not EOS), as a real chat model often
+    starts a raw completion with its end-of-turn token: their first streamed chunk comes a
+    step later, as from the real server (a systematic part of the TTFT gap without it).
 Logprobs, n > 1 and beam search get well-formed answers from a seeded random model
 (candidates best first with strictly descending log-probabilities; greedy picks the best).
 
@@ -61,6 +65,7 @@ _MASK64 = (1 << 64) - 1
 _GREEDY_KEY = 0x67726565647921        # greedy rows ignore seeds: one fixed stream
 _SEEDED_SALT = 0x5EEDED
 _UNSEEDED_SALT = 0xF00D
+_NO_TEXT_SALT = 0x7E87
 
 
 def _mix(x: int) -> int:
@@ -236,6 +241,16 @@ class SimulatedWorker:
         if cfg.eos_token_id is not None:
             special.add(cfg.eos_token_id)
         self.special = frozenset(special)
+        # --sim-first-token-no-text: a special token that is not an end of sequence (EOS would
+        # end a request that does not ignore it) and detokenizes to no text
+        eos = set(cfg.eos_token_ids) | ({cfg.eos_token_id} if cfg.eos_token_id is not None else set())
+        silent = sorted(t for t in special - eos
+                        if 0 <= t < vocab and not self.tokenizer.decode([t], skip_special_tokens=True))
+        self.no_text_token = silent[0] if silent else None
+        self.no_text_share = args.sim_first_token_no_text
+        if self.no_text_share and self.no_text_token is None:
+            raise ValueError("--sim-first-token-no-text: the tokenizer has no special token besides its "
+                             "end-of-sequence token(s) to answer without text")
         self.vocab = [t for t in range(vocab) if t not in special]
         n = len(self.vocab)
         stride = max(1, n // 3)
@@ -343,6 +358,14 @@ class SimulatedWorker:
             j += 1
         return out
 
+    def _no_text_first(self, x: int, req: _Req) -> bool:
+        """Whether a sequence whose first output has key x starts with the silent special
+        token (--sim-first-token-no-text): a seeded draw, like its tokens."""
+        share = self.no_text_share
+        if not share or self.no_text_token in req.stop_ids:
+            return False
+        return (_mix(x ^ _NO_TEXT_SALT) >> 11) * (1.0 / (1 << 53)) < share
+
     @staticmethod
     def _logprobs(x: int, count: int) -> list[float]:
         """Strictly descending log-probabilities: -(E_0 + ... + E_j) / 2, E_i ~ Exp(1) from x."""
@@ -377,6 +400,8 @@ class SimulatedWorker:
                 t = seq.echo[num_outputs % len(seq.echo)]
                 if not (num_outputs < req.min_tokens and t in req.stop_ids):
                     cands = [t] + [c for c in cands if c != t]
+            elif num_outputs == 0 and self._no_text_first(x, req):
+                cands = [self.no_text_token] + cands[:-1]
             toks = [cands[0]] * k if req.greedy or seq.echo is not None else cands[:k]
             token_ids[sid] = toks
             if want is not None:
