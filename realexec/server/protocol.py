@@ -10,6 +10,7 @@ include_stop_str_in_output, cache_salt.
 from __future__ import annotations
 
 import json
+import json.encoder
 import time
 from typing import Literal
 
@@ -236,23 +237,30 @@ class ChatCompletionChunk(BaseModel):
 # (compact separators, non-ASCII as UTF-8; test_server_schema checks them against the
 # models) for the common case without logprobs; chunks with logprobs use the models.
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+_quote = json.encoder.encode_basestring        # a JSON string literal, non-ASCII as is (C)
+
+
+def _scalar(value: str | int | None) -> str:
+    """A finish or stop reason as JSON (json.dumps takes ~5x as long for None)."""
+    if value is None:
+        return "null"
+    return _quote(value) if isinstance(value, str) else str(int(value))
 
 
 def completion_choice_json(index: int, text: str, finish_reason: str | None,
                            stop_reason: str | int | None) -> str:
     """CompletionChoice(index=..., text=..., logprobs=None, ...).model_dump_json()."""
-    return (f'{{"index":{index:d},"text":{_dumps(text)},"logprobs":null,'
-            f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}')
+    return (f'{{"index":{index:d},"text":{_quote(text)},"logprobs":null,'
+            f'"finish_reason":{_scalar(finish_reason)},"stop_reason":{_scalar(stop_reason)}}}')
 
 
 def chat_chunk_choice_json(index: int, content: str | None, finish_reason: str | None,
                            stop_reason: str | int | None) -> str:
     """ChatChunkChoice(index=..., delta=DeltaMessage(content=content), logprobs=None, ...)
     .model_dump_json(); content None is the empty delta `{}`."""
-    delta = "{}" if content is None else f'{{"content":{_dumps(content)}}}'
+    delta = "{}" if content is None else f'{{"content":{_quote(content)}}}'
     return (f'{{"index":{index:d},"delta":{delta},"logprobs":null,'
-            f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}')
+            f'"finish_reason":{_scalar(finish_reason)},"stop_reason":{_scalar(stop_reason)}}}')
 
 
 def chat_chunk_frame(request_id: str, created: int, model: str, include_usage: bool) -> tuple[str, str]:
