@@ -125,6 +125,16 @@ def run_attn(args) -> None:
         used += take
     mixed.append((300, 64))                        # a chunk after a cached context
     shapes[f"mixed {used + 64} tokens"] = mixed
+    if args.prefill_tokens:                        # a prefill-only step: the trace's first prompts
+        from traces import load_trace
+        prefill, used = [], 0
+        for r in load_trace(args.trace):
+            take = min(r.prompt_len, args.prefill_tokens - used)
+            if take <= 0:
+                break
+            prefill.append((0, take))
+            used += take
+        shapes[f"prefill {used} tok, {len(prefill)} prompts"] = prefill
     print(f"attention, one layer (SmolLM2 heads {HQ}/{HKV}x{D}, block {BS}), threads {torch.get_num_threads()}, "
           f"{args.clock} clock, {load()}")
     backends = {"torch": TorchAttentionBackend()}
@@ -288,6 +298,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--decode-batch", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--prefill-tokens", type=int, default=2048,
+                        help="attn: also a prefill-only step of the --trace's first prompts up to this many "
+                             "tokens (2048: 38 ShareGPT prompts, the last one cut; 0: none)")
     parser.add_argument("--tile-rows", type=int, nargs="+", default=[48])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--linear-variants", nargs="+", default=["linear", "mkldnn_packed", "mkl_packed"])

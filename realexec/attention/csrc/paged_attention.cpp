@@ -21,9 +21,10 @@
 //
 // Work item = (sequence, kv head, tile of up to `tile` query tokens): the tile's rows are
 // its tokens x the query heads sharing the kv head (GQA without copying K/V). Keys are
-// visited block by block (no gather): a block's keys are transposed into a [D][block_size]
-// scratch so q.k vectorizes over keys, then an online softmax (running max m, sum l)
-// accumulates p.v over D.
+// visited a chunk of whole blocks (64 keys) at a time through the block table (no gather):
+// the chunk's keys are transposed into a [D][64] scratch so q.k vectorizes over keys, then
+// groups of 4 rows take one online-softmax step (running max m, sum l) and accumulate p.v
+// over D, each key and value row loaded once per group (see attend).
 //
 // A decode (one query token) is one work item for all heads of its sequence; decodes are
 // memory-bound (each K/V float feeds G FMAs), see attend_decode_vec. With fewer work items
@@ -181,10 +182,241 @@ struct Scratch {   // one per thread
           xs(new float[G * BS * 16]) {}
 };
 
-// One work item. kBS / kD: compile-time block size and head size (0: the runtime values),
-// so the common shapes keep a row's scores and accumulator in registers.
+// ---------------------------------------------------------------------------------------
+// Prefill and prefill chunks (`attend`). Keys are taken a chunk of whole cache blocks at a
+// time (kChunk = 64 keys at block sizes up to 64), so the online softmax's bookkeeping
+// (max, rescale of the accumulator) happens once per 64 keys instead of once per block,
+// and query rows go in groups of kRows: a group's scores against the chunk and its p.v
+// keep kRows x 64 accumulators in registers, each key (scores) or value row (p.v) loaded
+// once for the group. Row groups that lie wholly before the chunk (causal) are skipped and
+// a group's scores stop at the last key its last row sees, so the diagonal costs little.
+namespace prefill {
+
+constexpr int kVec = 16;             // floats per vector (two ymm registers without AVX-512)
+constexpr int64_t kChunk = 64;       // keys per softmax update (rounded to whole blocks)
+#if defined(__AVX512F__)
+constexpr int kRows = 4;             // query rows per group: 4 x 4 accumulators + 4 loads in 32 zmm
+#else
+constexpr int kRows = 2;             // 16 ymm registers
+#endif
+typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
+
+inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+// s[i][0 : NV * kVec] = q_i . kt[:, t] for R rows (q rows kD floats apart, kt [kD][ld]).
+template <int R, int NV, int kD>
+inline void group_scores(const float* __restrict q, const float* __restrict kt, int64_t ld, float* __restrict s) {
+    vec acc[R][NV] = {};
+    for (int d = 0; d < kD; ++d) {
+        vec k[NV];
+        for (int j = 0; j < NV; ++j) k[j] = load(kt + d * ld + j * kVec);
+        for (int i = 0; i < R; ++i) {
+            const float x = q[i * kD + d];
+            for (int j = 0; j < NV; ++j) acc[i][j] += x * k[j];
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < NV; ++j) store(s + i * ld + j * kVec, acc[i][j]);
+}
+
+template <int R, int kD>
+inline void group_scores_nv(int nv, const float* q, const float* kt, int64_t ld, float* s) {
+    switch (nv) {
+        case 1: group_scores<R, 1, kD>(q, kt, ld, s); break;
+        case 2: group_scores<R, 2, kD>(q, kt, ld, s); break;
+        case 3: group_scores<R, 3, kD>(q, kt, ld, s); break;
+        default: group_scores<R, 4, kD>(q, kt, ld, s); break;
+    }
+}
+
+// Any shape: the same, with runtime loops.
+inline void group_scores_any(int64_t R, int64_t width, int64_t D, const float* __restrict q,
+                             const float* __restrict kt, int64_t ld, float* __restrict s) {
+    for (int64_t i = 0; i < R; ++i) {
+        float* si = s + i * ld;
+        for (int64_t t = 0; t < width; ++t) si[t] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+            const float x = q[i * D + d];
+            const float* kd = kt + d * ld;
+#pragma omp simd
+            for (int64_t t = 0; t < width; ++t) si[t] += x * kd[t];
+        }
+    }
+}
+
+// acc_i = alpha_i * acc_i + sum_{t in [lo, hi)} p_i[t] * v_t for R rows (acc rows kD floats
+// apart, p rows ld apart; value row t at vrow[t]). Keys a row does not see have p = 0.
+template <int R, int kD>
+inline void group_pv(float* __restrict acc, const float* alpha, const float* __restrict p, int64_t ld,
+                     const float* const* vrow, int64_t lo, int64_t hi) {
+    constexpr int NV = kD / kVec;
+    vec a[R][NV];
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < NV; ++j) a[i][j] = load(acc + i * kD + j * kVec) * alpha[i];
+    for (int64_t t = lo; t < hi; ++t) {
+        vec v[NV];
+        for (int j = 0; j < NV; ++j) v[j] = load(vrow[t] + j * kVec);
+        for (int i = 0; i < R; ++i) {
+            const float pt = p[i * ld + t];
+            for (int j = 0; j < NV; ++j) a[i][j] += pt * v[j];
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < NV; ++j) store(acc + i * kD + j * kVec, a[i][j]);
+}
+
+inline void group_pv_any(int64_t R, int64_t D, float* __restrict acc, const float* alpha,
+                         const float* __restrict p, int64_t ld, const float* const* vrow, int64_t lo, int64_t hi) {
+    for (int64_t i = 0; i < R; ++i) {
+        float* ai = acc + i * D;
+        for (int64_t d = 0; d < D; ++d) ai[d] *= alpha[i];
+        for (int64_t t = lo; t < hi; ++t) {
+            const float pt = p[i * ld + t];
+            const float* vt = vrow[t];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ai[d] += pt * vt[d];
+        }
+    }
+}
+
+typedef int32_t ivec __attribute__((vector_size(kVec * sizeof(int32_t))));
+
+inline vec splat(float x) { return vec{} + x; }
+
+// exp_poly on every lane (the same steps; k rounded to nearest by the 1.5 * 2^23 trick,
+// exact for |k| < 2^22, which the clamp guarantees; no -ffast-math may fold it away).
+inline vec exp16(vec v) {
+    const ivec under = v < -87.3f;                  // -inf included
+    v = v < -87.3f ? splat(-87.3f) : v;
+    v = v > 88.3f ? splat(88.3f) : v;
+    const vec k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vec r = v - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    vec p = splat(1.9875691500E-4f);
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    const ivec bits = (__builtin_convertvector(k, ivec) + 127) << 23;
+    return under ? vec{} : p * (vec)bits;           // a vector cast reinterprets the bits
+}
+
+template <int by>
+inline vec rotate(vec x) {
+    ivec idx;
+    for (int i = 0; i < kVec; ++i) idx[i] = (i + by) % kVec;
+    return __builtin_shuffle(x, idx);
+}
+
+inline float hmax(vec x) {   // a tree of 4 steps, not 16 dependent ones
+    x = x > rotate<8>(x) ? x : rotate<8>(x);
+    x = x > rotate<4>(x) ? x : rotate<4>(x);
+    x = x > rotate<2>(x) ? x : rotate<2>(x);
+    x = x > rotate<1>(x) ? x : rotate<1>(x);
+    return x[0];
+}
+
+inline float hsum(vec x) {
+    x += rotate<8>(x);
+    x += rotate<4>(x);
+    x += rotate<2>(x);
+    x += rotate<1>(x);
+    return x[0];
+}
+
+// The online-softmax step of R rows (ld floats apart) over a chunk's scores p[i][0 :
+// nv * kVec], of which keys [lo[i], hi[i]) are visible to row i (none if hi <= lo): p
+// becomes exp(score - the row's new max) there and 0 elsewhere, m / l (the rows' running
+// max and sum) are updated, and alpha[i] is the factor row i's accumulator must be scaled
+// by. The rows go in lockstep so their reduction trees overlap.
+template <int R>
+inline void softmax_group(float* __restrict p, int64_t ld, int64_t nv, const int64_t* lo, const int64_t* hi,
+                          float* m, float* l, float* alpha) {
+    vec iota;
+    for (int i = 0; i < kVec; ++i) iota[i] = float(i);
+    vec vmx[R], vsum[R];
+    for (int i = 0; i < R; ++i) {
+        vmx[i] = splat(m[i]);
+        vsum[i] = vec{};
+    }
+    for (int64_t j = 0; j < nv; ++j) {
+        const vec idx = iota + float(j * kVec);
+        for (int i = 0; i < R; ++i) {
+            const vec s = load(p + i * ld + j * kVec);
+            const ivec in = (idx >= float(lo[i])) & (idx < float(hi[i])) & (s > vmx[i]);
+            vmx[i] = in ? s : vmx[i];
+        }
+    }
+    float mx[R];
+    for (int i = 0; i < R; ++i) mx[i] = hmax(vmx[i]);
+    for (int64_t j = 0; j < nv; ++j) {
+        const vec idx = iota + float(j * kVec);
+        for (int i = 0; i < R; ++i) {
+            const ivec in = (idx >= float(lo[i])) & (idx < float(hi[i]));
+            const vec e = in ? exp16(load(p + i * ld + j * kVec) - mx[i]) : vec{};
+            store(p + i * ld + j * kVec, e);
+            vsum[i] += e;
+        }
+    }
+    for (int i = 0; i < R; ++i) {
+        alpha[i] = 1.0f;
+        if (mx[i] != m[i]) {                        // rescale what was accumulated so far
+            alpha[i] = m[i] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_poly(m[i] - mx[i]);
+            l[i] *= alpha[i];
+            m[i] = mx[i];
+        }
+        l[i] += hsum(vsum[i]);
+    }
+}
+
+// Off-diagonal blocks of size s of the 16 x 16 matrix r (rows r[i]) swapped: applied for
+// s = 8, 4, 2, 1 it transposes r (two-source shuffles, 64 in all, instead of 256 scalar moves).
+template <int s>
+inline void swap_blocks(vec* r) {
+    ivec lo, hi;
+    for (int L = 0; L < kVec; ++L) {
+        lo[L] = (L & s) ? kVec + L - s : L;
+        hi[L] = (L & s) ? kVec + L : L + s;
+    }
+    for (int i = 0; i < kVec; ++i)
+        if (!(i & s)) {
+            const vec a = r[i], b = r[i + s];
+            r[i] = __builtin_shuffle(a, b, lo);
+            r[i + s] = __builtin_shuffle(a, b, hi);
+        }
+}
+
+// kt[d][t] = krow[t][d] for cnt <= 16 keys (their head's kD floats at krow[t]); columns
+// cnt..15 become 0 (nothing past a key row is read).
+template <int kD>
+inline void transpose_keys(const float* const* krow, int64_t cnt, float* __restrict kt, int64_t ld) {
+    for (int c = 0; c < kD / kVec; ++c) {
+        vec r[kVec];
+        for (int t = 0; t < kVec; ++t) r[t] = t < cnt ? load(krow[t] + c * kVec) : vec{};
+        swap_blocks<8>(r);
+        swap_blocks<4>(r);
+        swap_blocks<2>(r);
+        swap_blocks<1>(r);
+        for (int j = 0; j < kVec; ++j) store(kt + (c * kVec + j) * ld, r[j]);
+    }
+}
+
+// Per-thread buffers of the chunk loop (kept across calls; sized on first use).
+struct Buffers {
+    std::vector<float> kt, p;
+    std::vector<const float*> krow, vrow;
+};
+
+}  // namespace prefill
+
+// One prefill work item: query tokens [j0, j1) of sequence `seq` x the G query heads of kv
+// head `head`. kBS / kD: compile-time block size and head size (0: the runtime values).
 template <int kBS, int kD>
 void attend(const Args& a, const Item& it, Scratch& sc) {
+    namespace pf = prefill;
     const int64_t BS = kBS ? kBS : a.BS, D = kD ? kD : a.D, G = a.G, row = a.row;
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const int32_t qs0 = a.query_start_loc[it.seq];
@@ -192,14 +424,30 @@ void attend(const Args& a, const Item& it, Scratch& sc) {
     const int ctx = a.seq_lens[it.seq] - q_len;
     const int32_t* table = a.block_tables + it.seq * a.bt_stride;
     const int64_t rows = int64_t(it.j1 - it.j0) * G;
+    // Keys per chunk: whole blocks, about pf::kChunk; ld: a chunk row padded to whole vectors.
+    const int64_t chunk = std::max<int64_t>(1, pf::kChunk / BS) * BS;
+    const int64_t ld = (chunk + pf::kVec - 1) / pf::kVec * pf::kVec;
+    // The vector kernels need a chunk of at most 4 vectors and a head of whole vectors.
+    constexpr bool fast = kBS > 0 && kD > 0 && kD % pf::kVec == 0 && pf::kChunk % (kBS > 0 ? kBS : 1) == 0 &&
+                          kBS <= pf::kChunk && pf::kChunk <= 4 * pf::kVec;
+    static thread_local pf::Buffers buf;
+    if (int64_t(buf.kt.size()) < D * ld) buf.kt.resize(D * ld);
+    if (int64_t(buf.p.size()) < pf::kRows * ld) buf.p.resize(pf::kRows * ld);
+    if (int64_t(buf.vrow.size()) < chunk) {
+        buf.krow.resize(chunk);
+        buf.vrow.resize(chunk);
+    }
     float* __restrict qs = sc.qs.data();
     float* __restrict acc = sc.acc.data();
-    float* __restrict kt = sc.kt.data();
-    float* __restrict s = sc.s.data();
+    float* __restrict kt = buf.kt.data();
+    float* __restrict p = buf.p.data();
+    const float** krow = buf.krow.data();
+    const float** vrow = buf.vrow.data();
     float* m = sc.m.data();
     float* l = sc.l.data();
     int* pos = sc.pos.data();
-    // Row r = (token j0 + r / G, query head head * G + r % G), pre-scaled.
+    // Row r = (token j0 + r / G, query head head * G + r % G), pre-scaled; positions never
+    // decrease with r, which the causal skips below rely on.
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = qs0 + it.j0 + r / G, hq = it.head * G + r % G;
         const float* src = a.q + t * a.q_stride + hq * D;
@@ -212,42 +460,83 @@ void attend(const Args& a, const Item& it, Scratch& sc) {
     const int64_t num_keys = ctx + it.j1;   // the tile's last query sees keys [0, num_keys)
     // The tile's first query sees keys from ctx + j0 - W + 1 on: earlier blocks are skipped.
     const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, ctx + it.j0 - a.window + 1) : 0;
-    for (int64_t b0 = first_key / BS * BS; b0 < num_keys; b0 += BS) {
-        const int64_t n = std::min<int64_t>(BS, num_keys - b0);
-        const int64_t base = int64_t(table[b0 / BS]) * BS * row + it.head * D;
-        for (int64_t t = 0; t < n; ++t) {        // kt[d][t] = K[b0 + t][d]
-            const float* kr = a.k_cache + base + t * row;
-            for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = kr[d];
+    for (int64_t c0 = first_key / BS * BS; c0 < num_keys; c0 += chunk) {
+        const int64_t n = std::min<int64_t>(chunk, num_keys - c0);   // keys of this chunk
+        // kt[d][t] = K[c0 + t][d], columns past n up to whole vectors 0 (finite junk the
+        // masks below hide); krow[t] / vrow[t]: the key / value row of key c0 + t.
+        for (int64_t t = 0; t < n; ++t) {
+            const int64_t key = c0 + t;
+            const int64_t off = (int64_t(table[key / BS]) * BS + key % BS) * row + it.head * D;
+            krow[t] = a.k_cache + off;
+            vrow[t] = a.v_cache + off;
         }
-        for (int64_t t = n; t < BS; ++t)          // past the context: finite junk, masked below
-            for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = 0.0f;
-        int64_t r0 = 0;
-        if constexpr (kBS > 0 && kD > 0)
-            for (; r0 + 4 <= rows; r0 += 4) scores4<kBS, kD>(qs + r0 * D, D, kt, s + r0 * BS);
-        for (int64_t r = r0; r < rows; ++r) {    // the rest one row at a time
-            float* sr = s + r * BS;
-            for (int64_t t = 0; t < BS; ++t) sr[t] = 0.0f;
-            const float* qr = qs + r * D;
-            for (int64_t d = 0; d < D; ++d) {
-                const float qd = qr[d];
-                const float* kd = kt + d * BS;
-#pragma omp simd
-                for (int64_t t = 0; t < BS; ++t) sr[t] += qd * kd[t];
+        if constexpr (fast) {
+            for (int64_t t0 = 0; t0 < n; t0 += pf::kVec)
+                pf::transpose_keys<kD>(krow + t0, std::min<int64_t>(pf::kVec, n - t0), kt + t0, ld);
+        } else {
+            for (int64_t t = 0; t < n; ++t)
+                for (int64_t d = 0; d < D; ++d) kt[d * ld + t] = krow[t][d];
+            const int64_t n_pad = std::min<int64_t>(ld, (n + pf::kVec - 1) / pf::kVec * pf::kVec);
+            for (int64_t t = n; t < n_pad; ++t)
+                for (int64_t d = 0; d < D; ++d) kt[d * ld + t] = 0.0f;
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += pf::kRows) {
+            const int64_t R = std::min<int64_t>(pf::kRows, rows - r0);
+            const int64_t last = pos[r0 + R - 1];
+            if (last < c0) continue;                                  // the chunk lies after every row
+            if (a.window > 0 && pos[r0] - a.window + 1 >= c0 + n) continue;   // ... before every window
+            // Scores up to the last key the group's last row sees (whole vectors).
+            const int64_t width = std::min<int64_t>(n, last - c0 + 1);
+            const int64_t nv = (width + pf::kVec - 1) / pf::kVec;
+            const float* qg = qs + r0 * D;
+            if constexpr (fast) {
+                switch (R) {
+                    case 4: if constexpr (pf::kRows >= 4) pf::group_scores_nv<4, kD>(int(nv), qg, kt, ld, p); break;
+                    case 3: if constexpr (pf::kRows >= 3) pf::group_scores_nv<3, kD>(int(nv), qg, kt, ld, p); break;
+                    case 2: pf::group_scores_nv<2, kD>(int(nv), qg, kt, ld, p); break;
+                    default: pf::group_scores_nv<1, kD>(int(nv), qg, kt, ld, p); break;
+                }
+            } else {
+                pf::group_scores_any(R, std::min(ld, nv * pf::kVec), D, qg, kt, ld, p);
             }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t visible = std::min<int64_t>(n, pos[r] - b0 + 1);   // causal
-            if (visible <= 0) continue;          // the whole block lies after this query
-            // keys before lo lie outside this query's window
-            const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos[r] - a.window + 1 - b0) : 0;
-            if (lo >= visible) continue;         // the whole block lies before the window
-            float* sr = s + r * BS;
-            if (a.soft_cap > 0.0f) soft_cap_scores(sr, lo, visible, a.soft_cap);
-            for (int64_t t = 0; t < lo; ++t) sr[t] = neg_inf;
-            for (int64_t t = visible; t < BS; ++t) sr[t] = neg_inf;
-            float* ar = acc + r * D;
-            online_softmax_block(sr, BS, m[r], l[r], ar, D);
-            pv_accumulate<kD>(ar, sr + lo, a.v_cache + base + lo * row, row, visible - lo, D);
+            // Online softmax per row over the chunk: keys [lo, hi) are visible to row r.
+            float alpha[pf::kRows];
+            int64_t lo[pf::kRows], hi[pf::kRows];
+            int64_t g_lo = width, g_hi = 0;   // the keys any row of the group sees
+            for (int64_t i = 0; i < R; ++i) {
+                const int64_t r = r0 + i;
+                hi[i] = std::min<int64_t>(n, pos[r] - c0 + 1);
+                lo[i] = a.window > 0 ? std::max<int64_t>(0, pos[r] - a.window + 1 - c0) : 0;
+                if (hi[i] <= lo[i]) continue;                         // sees nothing here
+                g_lo = std::min(g_lo, lo[i]);
+                g_hi = std::max(g_hi, hi[i]);
+                if (a.soft_cap > 0.0f) soft_cap_scores(p + i * ld, lo[i], hi[i], a.soft_cap);
+            }
+            switch (R) {
+                case 4: if constexpr (pf::kRows >= 4) pf::softmax_group<4>(p, ld, nv, lo, hi, m + r0, l + r0, alpha); break;
+                case 3: if constexpr (pf::kRows >= 3) pf::softmax_group<3>(p, ld, nv, lo, hi, m + r0, l + r0, alpha); break;
+                case 2: pf::softmax_group<2>(p, ld, nv, lo, hi, m + r0, l + r0, alpha); break;
+                default: pf::softmax_group<1>(p, ld, nv, lo, hi, m + r0, l + r0, alpha); break;
+            }
+            if (g_hi <= g_lo) continue;
+            float* ag = acc + r0 * D;
+            if constexpr (fast) {
+                // p.v in pairs when a row's accumulator is wider than 64 floats (registers).
+                constexpr int step = kD <= 64 ? pf::kRows : (kD <= 128 ? 2 : 1);
+                for (int64_t i = 0; i < R; i += step) {
+                    const int64_t k = std::min<int64_t>(step, R - i);
+                    float* ai = ag + i * D;
+                    const float* pi = p + i * ld;
+                    switch (k) {
+                        case 4: if constexpr (step >= 4) pf::group_pv<4, kD>(ai, alpha + i, pi, ld, vrow, g_lo, g_hi); break;
+                        case 3: if constexpr (step >= 3) pf::group_pv<3, kD>(ai, alpha + i, pi, ld, vrow, g_lo, g_hi); break;
+                        case 2: if constexpr (step >= 2) pf::group_pv<2, kD>(ai, alpha + i, pi, ld, vrow, g_lo, g_hi); break;
+                        default: pf::group_pv<1, kD>(ai, alpha + i, pi, ld, vrow, g_lo, g_hi); break;
+                    }
+                }
+            } else {
+                pf::group_pv_any(R, D, ag, alpha, p, ld, vrow, g_lo, g_hi);
+            }
         }
     }
     for (int64_t r = 0; r < rows; ++r) {

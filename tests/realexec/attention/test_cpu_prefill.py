@@ -147,3 +147,14 @@ def test_windows_and_soft_caps(block_size, head_dim, window, cap):
     step.check(out, window, cap)
     plain = step.run(CpuAttentionBackend())
     assert not torch.allclose(out[:180], plain[:180], atol=1e-3), "the options must change the long prompt"
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 32)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_huge_scores_a_row_must_not_see_do_not_matter(block_size, head_dim, window):
+    """One key with scores of +-hundreds: rows after it (in its window) see a one-hot
+    softmax; rows before it (or past its window) must be unaffected, so a running max taken
+    over masked keys (exp underflowing to 0 for every visible key) shows up as inf/NaN."""
+    step = Prefill([(0, 100), (40, 60)], block_size=block_size, kv_heads=2, group=3, head_dim=head_dim, seed=9)
+    step.k[70] *= 1000.0                   # key 70 of the prompt, key 40 + 30 of the chunk
+    step.check(step.run(CpuAttentionBackend(), window=window), window)
