@@ -187,17 +187,20 @@ struct Scratch {   // one per thread
 // time (kChunk = 64 keys at block sizes up to 64), so the online softmax's bookkeeping
 // (max, rescale of the accumulator) happens once per 64 keys instead of once per block,
 // and query rows go in groups of kRows: a group's scores against the chunk and its p.v
-// keep kRows x 64 accumulators in registers, each key (scores) or value row (p.v) loaded
+// keep their accumulators in registers, each key (scores) or value row (p.v) loaded
 // once for the group. Row groups that lie wholly before the chunk (causal) are skipped and
 // a group's scores stop at the last key its last row sees, so the diagonal costs little.
 namespace prefill {
 
-constexpr int kVec = 16;             // floats per vector (two ymm registers without AVX-512)
 constexpr int64_t kChunk = 64;       // keys per softmax update (rounded to whole blocks)
 #if defined(__AVX512F__)
+constexpr int kVec = 16;             // floats per vector register
 constexpr int kRows = 4;             // query rows per group: 4 x 4 accumulators + 4 loads in 32 zmm
+constexpr int kAcc = 16;             // accumulator registers p.v may use
 #else
-constexpr int kRows = 2;             // 16 ymm registers
+constexpr int kVec = 8;              // ymm (wider GCC vectors are split, their shuffles scalarized)
+constexpr int kRows = 2;             // 2 x 4 accumulators + 4 loads in 16 ymm
+constexpr int kAcc = 8;
 #endif
 typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
 
@@ -220,13 +223,18 @@ inline void group_scores(const float* __restrict q, const float* __restrict kt, 
         for (int j = 0; j < NV; ++j) store(s + i * ld + j * kVec, acc[i][j]);
 }
 
+// The same for nv vectors of keys, at most 4 at a time (R x 4 accumulators).
 template <int R, int kD>
 inline void group_scores_nv(int nv, const float* q, const float* kt, int64_t ld, float* s) {
-    switch (nv) {
-        case 1: group_scores<R, 1, kD>(q, kt, ld, s); break;
-        case 2: group_scores<R, 2, kD>(q, kt, ld, s); break;
-        case 3: group_scores<R, 3, kD>(q, kt, ld, s); break;
-        default: group_scores<R, 4, kD>(q, kt, ld, s); break;
+    for (int v0 = 0; v0 < nv; v0 += 4) {
+        const float* k = kt + v0 * kVec;
+        float* out = s + v0 * kVec;
+        switch (std::min(4, nv - v0)) {
+            case 1: group_scores<R, 1, kD>(q, k, ld, out); break;
+            case 2: group_scores<R, 2, kD>(q, k, ld, out); break;
+            case 3: group_scores<R, 3, kD>(q, k, ld, out); break;
+            default: group_scores<R, 4, kD>(q, k, ld, out); break;
+        }
     }
 }
 
@@ -312,7 +320,7 @@ inline vec rotate(vec x) {
 }
 
 inline float hmax(vec x) {   // a tree of 4 steps, not 16 dependent ones
-    x = x > rotate<8>(x) ? x : rotate<8>(x);
+    if constexpr (kVec == 16) x = x > rotate<8>(x) ? x : rotate<8>(x);
     x = x > rotate<4>(x) ? x : rotate<4>(x);
     x = x > rotate<2>(x) ? x : rotate<2>(x);
     x = x > rotate<1>(x) ? x : rotate<1>(x);
@@ -320,7 +328,7 @@ inline float hmax(vec x) {   // a tree of 4 steps, not 16 dependent ones
 }
 
 inline float hsum(vec x) {
-    x += rotate<8>(x);
+    if constexpr (kVec == 16) x += rotate<8>(x);
     x += rotate<4>(x);
     x += rotate<2>(x);
     x += rotate<1>(x);
@@ -372,8 +380,9 @@ inline void softmax_group(float* __restrict p, int64_t ld, int64_t nv, const int
     }
 }
 
-// Off-diagonal blocks of size s of the 16 x 16 matrix r (rows r[i]) swapped: applied for
-// s = 8, 4, 2, 1 it transposes r (two-source shuffles, 64 in all, instead of 256 scalar moves).
+// Off-diagonal blocks of size s of the kVec x kVec matrix r (rows r[i]) swapped: applied for
+// s = kVec / 2, ..., 2, 1 it transposes r (two-source shuffles: 64 for 16 x 16 instead of 256
+// scalar moves).
 template <int s>
 inline void swap_blocks(vec* r) {
     ivec lo, hi;
@@ -389,14 +398,14 @@ inline void swap_blocks(vec* r) {
         }
 }
 
-// kt[d][t] = krow[t][d] for cnt <= 16 keys (their head's kD floats at krow[t]); columns
-// cnt..15 become 0 (nothing past a key row is read).
+// kt[d][t] = krow[t][d] for cnt <= kVec keys (their head's kD floats at krow[t]); columns
+// cnt..kVec-1 become 0 (nothing past a key row is read).
 template <int kD>
 inline void transpose_keys(const float* const* krow, int64_t cnt, float* __restrict kt, int64_t ld) {
     for (int c = 0; c < kD / kVec; ++c) {
         vec r[kVec];
         for (int t = 0; t < kVec; ++t) r[t] = t < cnt ? load(krow[t] + c * kVec) : vec{};
-        swap_blocks<8>(r);
+        if constexpr (kVec == 16) swap_blocks<8>(r);
         swap_blocks<4>(r);
         swap_blocks<2>(r);
         swap_blocks<1>(r);
@@ -428,8 +437,8 @@ void attend(const Args& a, const Item& it, Scratch& sc) {
     const int64_t chunk = std::max<int64_t>(1, pf::kChunk / BS) * BS;
     const int64_t ld = (chunk + pf::kVec - 1) / pf::kVec * pf::kVec;
     // The vector kernels need a chunk of at most 4 vectors and a head of whole vectors.
-    constexpr bool fast = kBS > 0 && kD > 0 && kD % pf::kVec == 0 && pf::kChunk % (kBS > 0 ? kBS : 1) == 0 &&
-                          kBS <= pf::kChunk && pf::kChunk <= 4 * pf::kVec;
+    constexpr bool fast = kBS > 0 && kD > 0 && kD % pf::kVec == 0 && kBS <= pf::kChunk &&
+                          pf::kChunk % (kBS > 0 ? kBS : 1) == 0;
     static thread_local pf::Buffers buf;
     if (int64_t(buf.kt.size()) < D * ld) buf.kt.resize(D * ld);
     if (int64_t(buf.p.size()) < pf::kRows * ld) buf.p.resize(pf::kRows * ld);
@@ -521,8 +530,8 @@ void attend(const Args& a, const Item& it, Scratch& sc) {
             if (g_hi <= g_lo) continue;
             float* ag = acc + r0 * D;
             if constexpr (fast) {
-                // p.v in pairs when a row's accumulator is wider than 64 floats (registers).
-                constexpr int step = kD <= 64 ? pf::kRows : (kD <= 128 ? 2 : 1);
+                // p.v for as many rows at a time as their accumulators fit in registers.
+                constexpr int step = std::max(1, std::min(pf::kRows, pf::kAcc / (kD / pf::kVec)));
                 for (int64_t i = 0; i < R; i += step) {
                     const int64_t k = std::min<int64_t>(step, R - i);
                     float* ai = ag + i * D;
