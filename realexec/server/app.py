@@ -575,33 +575,45 @@ async def _outputs_or_error(server: OpenAIServer, stream: RequestStream):
         yield -1, f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n"
 
 
+async def _sse_events(server: OpenAIServer, stream: RequestStream, events_of, usage_event):
+    """The loop both streamed endpoints share. `events_of(index, output)` -> the SSE events
+    of one engine output, which go out as one body write (one syscall); the stream's end
+    (`usage_event(usage)` when the client asked for usage, then `[DONE]`) goes out in the
+    same write as the last output's events: the bytes on the wire are the same events, in
+    fewer writes. An error ends the stream with its own event (_outputs_or_error)."""
+    completion_tokens = 0
+    events: list[str] = []
+    async for index, out in _outputs_or_error(server, stream):
+        if isinstance(out, str):
+            yield out
+            return
+        events = events_of(index, out)
+        if out.finished:
+            completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if stream.finished:
+            break
+        if events:
+            yield "".join(events)
+    else:
+        events = []                     # every output's events went out already
+    if usage_event is not None:
+        events.append(usage_event(Usage(prompt_tokens=stream.num_prompt_tokens, completion_tokens=completion_tokens,
+                                        total_tokens=stream.num_prompt_tokens + completion_tokens)))
+    events.append("data: [DONE]\n\n")
+    yield "".join(events)
+
+
 async def _completion_chunks(server: OpenAIServer, stream: RequestStream, req: CompletionRequest,
                              params: SamplingParams, request_id: str, model: str, created: int):
-    """The SSE events of a streamed completion. The events of one engine output go out as
-    one body write (one syscall), and the last output's events with the usage event and
-    `[DONE]`: the bytes on the wire are the same events, in fewer writes."""
+    """The SSE events of a streamed completion (written as _sse_events says)."""
     n, want_lp = params.n, params.logprobs is not None
     offsets: dict[int, int] = {}
-    completion_tokens = 0
     usage_null = ', "usage": null' if req.include_usage else ""
     head = f'data: {{"id": "{request_id}", "object": "text_completion", "created": {created}, ' \
            f'"model": {json.dumps(model)}, '
     choice_head, choice_tail = head + '"choices": [', f"]{usage_null}}}\n\n"
 
-    def closing() -> list[str]:
-        events = []
-        if req.include_usage:
-            usage = Usage(prompt_tokens=stream.num_prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=stream.num_prompt_tokens + completion_tokens)
-            events.append(f'{head}"choices": [], "usage": {usage.model_dump_json()}}}\n\n')
-        events.append("data: [DONE]\n\n")
-        return events
-
-    closed = False
-    async for index, out in _outputs_or_error(server, stream):
-        if isinstance(out, str):
-            yield out
-            return
+    def events_of(index: int, out) -> list[str]:
         events = []
         for c in out.outputs:
             if not (c.text_delta or c.finished or (want_lp and c.token_ids_delta)):
@@ -616,22 +628,20 @@ async def _completion_chunks(server: OpenAIServer, stream: RequestStream, req: C
                 choice = completion_choice_json(choice_index, c.text_delta, c.finish_reason, c.stop_reason)
             offsets[choice_index] = offsets.get(choice_index, 0) + len(c.text_delta)
             events.append(choice_head + choice + choice_tail)
-        if out.finished:
-            completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        if stream.finished:             # the last output: the stream's end goes in the same write
-            events += closing()
-            closed = True
-        if events:
-            yield "".join(events)
-    if not closed:
-        yield "".join(closing())
+        return events
+
+    def usage_event(usage: Usage) -> str:
+        return f'{head}"choices": [], "usage": {usage.model_dump_json()}}}\n\n'
+
+    async for event in _sse_events(server, stream, events_of, usage_event if req.include_usage else None):
+        yield event
 
 
 async def _chat_chunks(server: OpenAIServer, stream: RequestStream, req: ChatCompletionRequest,
                        params: SamplingParams, request_id: str, model: str, created: int):
-    """The SSE events of a streamed chat completion, written like _completion_chunks'."""
+    """The SSE events of a streamed chat completion: each choice's role first, then as
+    _sse_events says."""
     want_lp = bool(req.logprobs)
-    completion_tokens = 0
     head, tail = chat_chunk_frame(request_id, created, model, req.include_usage)
     head, tail = "data: " + head, tail + "\n\n"
 
@@ -642,22 +652,7 @@ async def _chat_chunks(server: OpenAIServer, stream: RequestStream, req: ChatCom
             return f"data: {obj.model_dump_json()}\n\n"
         return f"data: {obj.model_dump_json(exclude={'usage'})}\n\n"
 
-    def closing() -> list[str]:
-        events = []
-        if req.include_usage:
-            events.append(chunk(None, Usage(prompt_tokens=stream.num_prompt_tokens,
-                                            completion_tokens=completion_tokens,
-                                            total_tokens=stream.num_prompt_tokens + completion_tokens)))
-        events.append("data: [DONE]\n\n")
-        return events
-
-    for i in range(params.n):          # the role first, for every choice
-        yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-    closed = False
-    async for _, out in _outputs_or_error(server, stream):
-        if isinstance(out, str):
-            yield out
-            return
+    def events_of(_index: int, out) -> list[str]:
         events = []
         for c in out.outputs:
             if not (c.text_delta or c.finished or (want_lp and c.token_ids_delta)):
@@ -672,15 +667,13 @@ async def _chat_chunks(server: OpenAIServer, stream: RequestStream, req: ChatCom
             else:
                 events.append(head + chat_chunk_choice_json(c.index, content, c.finish_reason, c.stop_reason)
                               + tail)
-        if out.finished:
-            completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        if stream.finished:             # the last output: the stream's end goes in the same write
-            events += closing()
-            closed = True
-        if events:
-            yield "".join(events)
-    if not closed:
-        yield "".join(closing())
+        return events
+
+    for i in range(params.n):          # the role first, for every choice
+        yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+    async for event in _sse_events(server, stream, events_of,
+                                   (lambda usage: chunk(None, usage)) if req.include_usage else None):
+        yield event
 
 
 # ----------------------------------------------------------------------------- errors, schema
