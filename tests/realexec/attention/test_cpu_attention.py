@@ -19,17 +19,9 @@ from realexec.attention.cpu_backend import CpuAttentionBackend
 from realexec.attention.metadata import AttentionMetadata
 from realexec.attention.torch_backend import TorchAttentionBackend
 
+from .reference import dense, paged_metadata
+
 TOL = dict(atol=2e-5, rtol=1e-5)
-
-
-def dense(q, keys, values, context_len, scale):
-    """q [Lq, Hq, D] at positions context_len.., keys/values [Lk, Hkv, D] at 0..Lk-1."""
-    group = q.shape[1] // keys.shape[1]
-    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    qpos = torch.arange(context_len, context_len + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
 
 class Step:
@@ -76,15 +68,7 @@ class Step:
                 lens.append(ctx + n)
             starts.append(starts[-1] + n)
         width = max([len(t) for t in tables] + [1]) + extra_width
-        bt = torch.zeros(len(specs), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        qlens = [n for _, n, _ in specs]
-        self.md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=bt, block_size=block_size,
-            max_query_len=max(qlens), max_seq_len=max(lens), query_lens_cpu=qlens, seq_lens_cpu=lens)
+        self.md = paged_metadata(tables, slots, starts, lens, [n for _, n, _ in specs], block_size, width)
         T = starts[-1]
         self.q = torch.randn(T, hq, head_dim, generator=g)
         # k, v as the model makes them: views into one fused projection output (strided rows).

@@ -17,26 +17,11 @@ import pytest
 import torch
 
 from realexec.attention.cpu_backend import CpuAttentionBackend
-from realexec.attention.metadata import AttentionMetadata
 from realexec.attention.torch_backend import TorchAttentionBackend
 
+from .reference import dense, paged_metadata
+
 TOL = dict(atol=2e-5, rtol=1e-5)
-
-
-def dense(q, keys, values, context_len, scale, window=None, cap=None):
-    """q [Lq, Hq, D] at positions context_len..; keys/values [Lk, Hkv, D] at 0..Lk-1 (fp64)."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, 1).double()
-    v = values.repeat_interleave(group, 1).double()
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if cap is not None:
-        s = cap * torch.tanh(s / cap)
-    qpos = torch.arange(context_len, context_len + q.shape[0])[:, None]
-    kpos = torch.arange(k.shape[0])[None, :]
-    hidden = kpos > qpos
-    if window is not None:
-        hidden |= kpos <= qpos - window
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(hidden, float("-inf")).softmax(-1), v).float()
 
 
 class Prefill:
@@ -67,15 +52,8 @@ class Prefill:
             slots += flat[ctx:].tolist()
             starts.append(starts[-1] + n)
             lens.append(ctx + n)
-        bt = torch.zeros(len(cases), max(need) + 1, dtype=torch.int32)
-        for i, t in enumerate(self.tables):
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        qlens = [n for _, n in cases]
-        self.md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=bt, block_size=block_size,
-            max_query_len=max(qlens), max_seq_len=max(lens), query_lens_cpu=qlens, seq_lens_cpu=lens)
+        self.md = paged_metadata(self.tables, slots, starts, lens, [n for _, n in cases], block_size,
+                                 max(need) + 1)
         T = starts[-1]
         self.q = torch.randn(T, kv_heads * group, head_dim, generator=g) * q_scale
         kv = torch.randn(T, 2 * kv_heads * head_dim + 5, generator=g)   # strided views, as the model's

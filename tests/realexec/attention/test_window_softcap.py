@@ -20,6 +20,8 @@ import torch  # noqa: E402
 
 from realexec.attention import get_attention_backend  # noqa: E402
 from realexec.attention.metadata import AttentionMetadata, check_layer_options  # noqa: E402
+
+from .reference import dense, paged_metadata  # noqa: E402
 from realexec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,23 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # prompt longer than the window, chunks after a context longer than the window.
 MIXED = [(0, 1), (3, 1), (9, 1), (30, 1), (0, 21), (17, 6), (12, 12)]
 DECODES = [(0, 1), (4, 1), (6, 1), (13, 1), (40, 1), (25, 1)]
-
-
-def dense(q, keys, values, context_len, scale, window, cap):
-    """q [Lq, Hq, D] at positions context_len..; keys/values [Lk, Hkv, D] at 0..Lk-1."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).double()
-    v = values.repeat_interleave(group, dim=1).double()
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if cap is not None:
-        s = cap * torch.tanh(s / cap)
-    qpos = torch.arange(context_len, context_len + q.shape[0])[:, None]
-    kpos = torch.arange(keys.shape[0])[None, :]
-    hidden = kpos > qpos
-    if window is not None:
-        hidden |= kpos <= qpos - window
-    s = s.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
 
 
 class Step:
@@ -60,10 +45,8 @@ class Step:
         free = torch.randperm(num_blocks, generator=g).tolist()
         tables = [[free.pop() for _ in range(n)] for n in need]
         width = max(need)
-        bt = torch.zeros(len(cases) + padding, width, dtype=torch.int32)
         slots, qlens, lens = [], [], []
-        for i, ((ctx, n), table) in enumerate(zip(cases, tables)):
-            bt[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        for (ctx, n), table in zip(cases, tables):
             slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n)]
             qlens.append(n)
             lens.append(ctx + n)
@@ -83,11 +66,7 @@ class Step:
         qsl = [0]
         for n in qlens:
             qsl.append(qsl[-1] + n)
-        self.md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=bt, block_size=block_size,
-            max_query_len=max(qlens), max_seq_len=max(lens), query_lens_cpu=qlens, seq_lens_cpu=lens)
+        self.md = paged_metadata(tables + [[]] * padding, slots, qsl, lens, qlens, block_size, width)
         self.device = torch.device(device)
         self.scale = head_dim ** -0.5
 
