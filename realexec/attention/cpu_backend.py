@@ -7,11 +7,11 @@ gather into new tensors, no Python loop over sequences), spreads (sequence, kv h
 query tile) work items over torch's OpenMP threads, and keeps the query heads of a GQA
 group together so each key block is loaded once per group.
 
-The kernel is a plain C ABI library built on first use with the system C++ compiler
-(`$CXX`, else g++/c++; about 1-2 s) into `$TWINSERVE_CACHE_DIR/kernels/` (default
-~/.cache/twinserve), keyed by the source, the flags and this CPU's feature flags
-(-march=native), and loaded with ctypes: no build-time dependency on torch and no torch
-headers to compile. It links libgomp.so.1, the soname torch's own OpenMP runtime is
+The kernel is a plain C ABI library built on first use (`realexec.cpu_build`, shared with
+the fused elementwise ops) with the system C++ compiler (`$CXX`, else g++/c++; about
+1-2 s) into `$TWINSERVE_CACHE_DIR/kernels/` (default ~/.cache/twinserve), keyed by the
+source, the flags and this CPU's feature flags (-march=native), and loaded with ctypes:
+no build-time dependency on torch and no torch headers to compile. It links libgomp.so.1, the soname torch's own OpenMP runtime is
 loaded under, so both share one thread pool and torch.set_num_threads applies to both.
 
 Only fp32 on the CPU runs the kernel; other dtypes and the cache-less profiling run fall
@@ -20,23 +20,21 @@ back to the torch reference (`TorchAttentionBackend`, also the tests' oracle).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
+import shutil  # noqa: F401  (tests patch cpu_backend.shutil.which: the compiler lookup in realexec.cpu_build)
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
+from realexec import cpu_build
+
 from .metadata import AttentionMetadata, check_layer_options
 from .torch_backend import TorchAttentionBackend
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+FLAGS = cpu_build.FLAGS
+_HINT = "--attention-backend torch runs without one"
 ABI_VERSION = 2
 # Query tokens per work item: rows = tile x GQA group; measured on SmolLM2 shapes (group 3).
 DEFAULT_TILE_ROWS = 48
@@ -50,59 +48,19 @@ _lock = threading.Lock()
 _lib = None
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(cpu_build.BuildError):
     """The C++ paged-attention kernel could not be compiled or loaded."""
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    raise KernelBuildError("no C++ compiler found (set $CXX, or install g++) to build the CPU attention kernel; "
-                           "--attention-backend torch runs without one")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def library_path(compiler: str) -> Path:
-    from realexec.models.loader import cache_root
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join([compiler] + FLAGS).encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
-    return cache_root() / "kernels" / f"paged_attention-{key}.so"
+    return cpu_build.library_path(SOURCE, compiler, FLAGS)
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the kernel into the cache (if not there yet) and return the library's path.
-    Concurrent builders (tensor-parallel workers) each compile to a temporary file and
-    rename it into place, so a reader never sees a half-written library."""
-    compiler = _compiler()
-    path = library_path(compiler)
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise KernelBuildError(f"building the CPU attention kernel failed ({' '.join(cmd)}):\n"
-                                   f"{res.stderr.strip()[-2000:]}")
-        if verbose and res.stderr:
-            print(res.stderr)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """Compile the kernel into the cache (if not there yet) and return the library's path
+    (realexec.cpu_build: keyed by source, flags and CPU; atomic rename into place)."""
+    return cpu_build.build(SOURCE, "the CPU attention kernel", flags=FLAGS, hint=_HINT, error=KernelBuildError,
+                           verbose=verbose)
 
 
 def load_library():
@@ -110,13 +68,8 @@ def load_library():
     global _lib
     with _lock:
         if _lib is None:
-            path = build()
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:
-                raise KernelBuildError(f"loading the CPU attention kernel {path} failed: {e}") from e
-            if lib.twinserve_paged_attention_abi_version() != ABI_VERSION:
-                raise KernelBuildError(f"{path}: ABI version mismatch (delete it to rebuild)")
+            lib = cpu_build.load(build(), "the CPU attention kernel", "twinserve_paged_attention_abi_version",
+                                 ABI_VERSION, KernelBuildError)
             fn = lib.twinserve_paged_attention_f32
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, i64, p, i64, p, p, i64,

@@ -30,6 +30,7 @@ from torch import nn
 
 from realexec.attention import AttentionMetadata, get_attention_backend
 from realexec.distributed import PPGroup, TPGroup
+from . import cpu_ops
 from .config import ModelConfig
 from .linear import Linear, packed_parameter, project
 
@@ -43,10 +44,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, scale in the model dtype (same rounding as the HF reference).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalize in fp32, scale in the model dtype (same rounding as the HF reference);
+        # one fused C++ pass on the CPU in fp32 (realexec.models.cpu_ops).
+        return cpu_ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, self(h + delta)): the residual add and this norm in one pass on the CPU."""
+        return cpu_ops.add_rms_norm(h, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -97,21 +101,7 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by position; "rotate half" layout (HF Llama), not interleaved pairs.
-    With partial rotary (cos/sin narrower than D/2) only the first 2 * cos.shape[-1] dims
-    turn; the rest pass through (HF Phi-3)."""
-    half = cos.shape[-1]
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    # Written into one output through out= / in-place ops: no cat and no temporaries
-    # (on the CPU half the time of the cat form for a 2048-token prefill).
-    out = torch.empty_like(x)
-    o1, o2 = out[..., :half], out[..., half:2 * half]
-    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
-    if 2 * half != x.shape[-1]:
-        out[..., 2 * half:] = x[..., 2 * half:]
-    return out
+apply_rotary = cpu_ops.apply_rotary_reference    # rotate half (HF Llama); partial rotary passes the rest
 
 
 class RowParallelLinear(nn.Module):
@@ -176,8 +166,7 @@ class Attention(nn.Module):
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = cpu_ops.apply_rotary_qk(q, k, cos, sin)     # apply_rotary to both (one C++ call on the CPU)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         out = self.backend.forward(q, k, v, k_cache, v_cache, md, self.scale, **self.attn_opts)
@@ -192,8 +181,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))     # in place: one temporary fewer
+        return self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -205,8 +193,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, h, cos, sin, kv_cache, md):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, md)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # h = h + attn(norm(h)); x = post_norm(h): the add and the norm fused on the CPU
+        h, x = self.post_attention_layernorm.add_forward(h, self.self_attn(self.input_layernorm(h), cos, sin,
+                                                                             kv_cache, md))
+        return h + self.mlp(x)
 
 
 # HF checkpoint name -> (our fused parameter, shard index) for the stacked projections.

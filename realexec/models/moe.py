@@ -31,10 +31,10 @@ import re
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from realexec.distributed import PPGroup, TPGroup
+from . import cpu_ops
 from .config import ModelConfig
 from .linear import Linear
 from .llama import LlamaForCausalLM
@@ -50,8 +50,7 @@ class Expert(nn.Module):
         self.down_proj = Linear(width, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(x)))    # fused on the CPU in fp32
 
 
 def _graph_safe(x: torch.Tensor) -> bool:
