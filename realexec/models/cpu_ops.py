@@ -145,7 +145,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     lib = _usable(gate_up)
     if lib is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0:
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, width)
+        out = gate_up.new_empty((rows, width))
         lib.twinserve_silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width)
         return out
     gate, up = gate_up.chunk(2, dim=-1)
@@ -185,7 +185,7 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 and cos.shape[0] == t and sin.shape[0] == t and cos.shape[1] == 1 and sin.shape[1] == 1
                 and cos.stride(2) == 1 and sin.stride(2) == 1 and cos.stride(0) == sin.stride(0)):
             hq, hk = q.shape[1], k.shape[1]
-            q_out, k_out = torch.empty(t, hq, d), torch.empty(t, hk, d)     # contiguous, as apply_rotary's
+            q_out, k_out = q.new_empty((t, hq, d)), k.new_empty((t, hk, d))   # contiguous, as apply_rotary's
             lib.twinserve_rotary_qk_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(),
                                         sin.data_ptr(), cos.stride(0), q_out.data_ptr(), k_out.data_ptr(), t, hq,
                                         hk, d)
