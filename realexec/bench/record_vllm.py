@@ -131,7 +131,9 @@ def fit_logs(paths: list[str], folds: int = 5) -> dict:
     for phase in PHASES:
         n = sum(1 for s in samples if phase_of(s["seqs"], s["tokens"]) == phase)
         if n < folds:
-            raise ValueError(f"{', '.join(paths)}: {n} {phase} steps, the fit needs at least {folds}")
+            hint = (" (vLLM took every prompt in one step: record more requests, or smaller prefill steps "
+                    "with `-- --max-num-batched-tokens 256`)" if phase == "prefill" else "")
+            raise ValueError(f"{', '.join(paths)}: {n} {phase} steps, the fit needs at least {folds}{hint}")
     model = fit_step_cost(samples, k=folds)
     sc, cc, v = configs[0]["scheduler"], configs[0]["cache"], configs[0]["vllm"]
     model["engine"] = {"num_gpu_blocks": cc["num_gpu_blocks"], "block_size": cc["block_size"],

@@ -432,3 +432,6 @@ def test_fit_vllm_on_the_recordings_writes_a_cost_model_sim_reads(tmp_path):
         bad = tmp_path / "ours.jsonl"
         bad.write_text(LIGHT.read_text().replace('"engine":"vllm",', "", 1))
         fit_logs([str(bad)])
+    # 24 short prompts at once: one prefill step; the error says how to record a fittable log
+    with pytest.raises(ValueError, match=r"1 prefill steps, the fit needs at least 5 .*--max-num-batched-tokens"):
+        fit_logs([str(LIGHT)])
