@@ -11,8 +11,9 @@ The kernel is a plain C ABI library built on first use (`realexec.cpu_build`, sh
 the fused elementwise ops) with the system C++ compiler (`$CXX`, else g++/c++; about
 1-2 s) into `$TWINSERVE_CACHE_DIR/kernels/` (default ~/.cache/twinserve), keyed by the
 source, the flags and this CPU's feature flags (-march=native), and loaded with ctypes:
-no build-time dependency on torch and no torch headers to compile. It links libgomp.so.1, the soname torch's own OpenMP runtime is
-loaded under, so both share one thread pool and torch.set_num_threads applies to both.
+no build-time dependency on torch and no torch headers to compile. It links libgomp.so.1,
+the soname torch's own OpenMP runtime is loaded under, so both share one thread pool and
+torch.set_num_threads applies to both.
 
 Only fp32 on the CPU runs the kernel; other dtypes and the cache-less profiling run fall
 back to the torch reference (`TorchAttentionBackend`, also the tests' oracle).
@@ -20,7 +21,6 @@ back to the torch reference (`TorchAttentionBackend`, also the tests' oracle).
 from __future__ import annotations
 
 import ctypes
-import shutil  # noqa: F401  (tests patch cpu_backend.shutil.which: the compiler lookup in realexec.cpu_build)
 import threading
 import warnings
 from pathlib import Path
@@ -33,7 +33,6 @@ from .metadata import AttentionMetadata, check_layer_options
 from .torch_backend import TorchAttentionBackend
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-FLAGS = cpu_build.FLAGS
 _HINT = "--attention-backend torch runs without one"
 ABI_VERSION = 2
 # Query tokens per work item: rows = tile x GQA group; measured on SmolLM2 shapes (group 3).
@@ -52,14 +51,10 @@ class KernelBuildError(cpu_build.BuildError):
     """The C++ paged-attention kernel could not be compiled or loaded."""
 
 
-def library_path(compiler: str) -> Path:
-    return cpu_build.library_path(SOURCE, compiler, FLAGS)
-
-
 def build(verbose: bool = False) -> Path:
     """Compile the kernel into the cache (if not there yet) and return the library's path
     (realexec.cpu_build: keyed by source, flags and CPU; atomic rename into place)."""
-    return cpu_build.build(SOURCE, "the CPU attention kernel", flags=FLAGS, hint=_HINT, error=KernelBuildError,
+    return cpu_build.build(SOURCE, "the CPU attention kernel", hint=_HINT, error=KernelBuildError,
                            verbose=verbose)
 
 

@@ -101,9 +101,6 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
 
-apply_rotary = cpu_ops.apply_rotary_reference    # rotate half (HF Llama); partial rotary passes the rest
-
-
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard @ W_shard^T) + b: the input features are split over ranks."""
 

@@ -55,6 +55,13 @@ inline vf16 vexp(vf16 x) {
     return p * (vf16)e;
 }
 
+// o = w * (x * rsqrt(mean(x^2) + eps)) for one row.
+inline void norm_row(const float* __restrict x, const float* __restrict w, float* __restrict o, int64_t dim,
+                     float eps) {
+    const float s = inv_rms(x, dim, eps);
+    for (int64_t i = 0; i < dim; ++i) o[i] = w[i] * (x[i] * s);
+}
+
 inline float silu_mul(float x, float u) { return x / (1.0f + std::exp(-x)) * u; }
 
 }  // namespace
@@ -69,12 +76,7 @@ void twinserve_cpu_ops_set_parallel_min(int64_t elements) { parallel_min = eleme
 void twinserve_rms_norm_f32(const float* x, int64_t x_stride, const float* w, float* out,
                             int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (rows > 1 && rows * dim >= parallel_min)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* __restrict xr = x + r * x_stride;
-        float* __restrict o = out + r * dim;
-        const float s = inv_rms(xr, dim, eps);
-        for (int64_t i = 0; i < dim; ++i) o[i] = w[i] * (xr[i] * s);
-    }
+    for (int64_t r = 0; r < rows; ++r) norm_row(x + r * x_stride, w, out + r * dim, dim, eps);
 }
 
 // h_out = h + delta; normed = w * (h_out * rsqrt(mean(h_out^2) + eps)); all contiguous rows of dim.
@@ -85,10 +87,8 @@ void twinserve_add_rms_norm_f32(const float* h, const float* delta, float* h_out
         const float* __restrict hr = h + r * dim;
         const float* __restrict dr = delta + r * dim;
         float* __restrict ho = h_out + r * dim;
-        float* __restrict o = normed + r * dim;
         for (int64_t i = 0; i < dim; ++i) ho[i] = hr[i] + dr[i];
-        const float s = inv_rms(ho, dim, eps);
-        for (int64_t i = 0; i < dim; ++i) o[i] = w[i] * (ho[i] * s);
+        norm_row(ho, w, normed + r * dim, dim, eps);
     }
 }
 

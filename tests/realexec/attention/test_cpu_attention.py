@@ -205,11 +205,12 @@ def test_non_fp32_and_cacheless_runs_use_the_reference():
 
 
 def test_without_a_compiler_the_default_falls_back_with_a_warning(monkeypatch):
+    from realexec import cpu_build
     from realexec.attention import cpu_backend
 
     monkeypatch.setattr(cpu_backend, "_lib", None)
     monkeypatch.setenv("CXX", "")
-    monkeypatch.setattr(cpu_backend.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda name: None)
     with pytest.raises(cpu_backend.KernelBuildError, match="no C.. compiler"):
         CpuAttentionBackend()
     with pytest.warns(RuntimeWarning, match="falling back to the slower torch attention backend"):

@@ -146,11 +146,23 @@ def test_autograd_takes_the_torch_path():
     assert x.grad is not None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 @torch.no_grad()
-def test_gpu_tensors_take_the_torch_path():
-    x, w = torch.randn(4, 64, device="cuda"), torch.randn(64, device="cuda")
-    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), cpu_ops.rms_norm_reference(x, w, 1e-5))
+def test_tensors_off_the_cpu_take_the_torch_path(monkeypatch):
+    """Tensors on another device (meta here, as a GPU's would) never reach the C++ ops: every
+    op answers through its torch code, on that device."""
+    lib = cpu_ops.library()
+    for name in ("twinserve_rms_norm_f32", "twinserve_add_rms_norm_f32", "twinserve_silu_and_mul_f32",
+                 "twinserve_rotary_qk_f32"):
+        monkeypatch.setattr(lib, name, lambda *a, name=name: pytest.fail(f"{name} ran on a non-CPU tensor"))
+    meta = dict(device="meta")
+    x, w = torch.empty(4, 64, **meta), torch.empty(64, **meta)
+    assert cpu_ops.rms_norm(x, w, 1e-5).device.type == "meta"
+    h, normed = cpu_ops.add_rms_norm(x, x, w, 1e-5)
+    assert h.device.type == normed.device.type == "meta"
+    assert cpu_ops.silu_and_mul(torch.empty(4, 128, **meta)).shape == (4, 64)
+    cos = sin = torch.empty(4, 1, 32, **meta)
+    q, k = cpu_ops.apply_rotary_qk(torch.empty(4, 3, 64, **meta), torch.empty(4, 1, 64, **meta), cos, sin)
+    assert q.device.type == k.device.type == "meta" and q.shape == (4, 3, 64) and k.shape == (4, 1, 64)
 
 
 @torch.no_grad()
