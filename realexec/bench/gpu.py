@@ -7,9 +7,10 @@ fails or runs out of time is reported and the next one still runs):
   1. kernels   the Triton kernel tests compiled on CUDA (bf16 included):
                TWINSERVE_TRITON_GPU_TESTS=1 pytest tests/realexec/kernels/test_kernels.py
   2. greedy    the engine end to end on CUDA, greedy, Triton attention + CUDA-graph decode
-               (uncompiled and torch.compile'd) vs the torch backend run eagerly, and vs HF
-               transformers' generate (fp32)
-  3. attention `bench kernels`: decode-attention bandwidth table, decode step graph vs eager
+               (uncompiled and torch.compile'd) and piecewise graphs for the other steps vs
+               the torch backend run eagerly, and vs HF transformers' generate (fp32)
+  3. attention `bench kernels`: decode-attention bandwidth table, decode step graph vs eager,
+               mixed prefill+decode step piecewise graphs vs eager
   4. throughput `bench throughput`: ours vs HF generate on ShareGPT, then our engine with
                uncompiled decode graphs, eager, and with the torch attention backend, for the
                compile, graph and kernel speed-ups end to end
@@ -289,7 +290,7 @@ def main(argv=None) -> int:
                     180, {"TWINSERVE_TRITON_GPU_TESTS": "1"}),
         "greedy": ([py, "-m", "realexec.bench.gpu", "greedy", model, "--max-tokens", str(args.greedy_tokens),
                     "--json", str(out / "greedy.json")], 150, None),
-        "attention": ([py, "-m", "realexec", "bench", "kernels", "--model", model], 120, None),
+        "attention": ([py, "-m", "realexec", "bench", "kernels", "--model", model], 180, None),
         "throughput": ([py, "-m", "realexec", "bench", "throughput", "--model", model, *SLICE, "--num-requests", "256",
                         "--max-tokens-cap", "128", "--hf-batch-size", "64", "--output-json", str(out / "throughput.json")], 300, None),
         "serve": ([py, "-m", "realexec.bench.gpu", "serve", model, "--out", str(out)], 300, None),

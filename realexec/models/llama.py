@@ -157,17 +157,28 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, kv_cache: KVCache | None, md: AttentionMetadata) -> torch.Tensor:
+    # Three pieces, callable apart (realexec.worker.piecewise_graph captures qkv and o_proj
+    # in CUDA graphs and runs attend eagerly between them): forward = o_proj(attend(qkv)).
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> q [T, heads, D], k and v [T, kv_heads, D]: the projection, Qwen3's
+        q/k norm and the rotary embedding."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = cpu_ops.apply_rotary_qk(q, k, cos, sin)     # apply_rotary to both (one C++ call on the CPU)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache | None,
+               md: AttentionMetadata) -> torch.Tensor:
+        """The backend's paged attention (writes k, v to the cache) -> [T, q_size], before o_proj."""
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         out = self.backend.forward(q, k, v, k_cache, v_cache, md, self.scale, **self.attn_opts)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return out.reshape(q.shape[0], self.q_size)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache | None, md: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.qkv(x, cos, sin), kv_cache, md))
 
 
 class MLP(nn.Module):
@@ -189,11 +200,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, h, cos, sin, kv_cache, md):
-        # h = h + attn(norm(h)); x = post_norm(h): the add and the norm fused on the CPU
-        h, x = self.post_attention_layernorm.add_forward(h, self.self_attn(self.input_layernorm(h), cos, sin,
-                                                                             kv_cache, md))
+    # The layer around its attention call, in two halves (realexec.worker.piecewise_graph
+    # captures them; `forward` is the one path through them).
+    def pre_attention(self, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual stream h [T, hidden] -> (q, k, v) of attention's input norm(h)."""
+        return self.self_attn.qkv(self.input_layernorm(h), cos, sin)
+
+    def post_attention(self, h, attn: torch.Tensor) -> torch.Tensor:
+        """h and attention's output [T, q_size] (before o_proj) -> the layer's output stream."""
+        # h = h + o_proj(attn); x = post_norm(h): the add and the norm fused on the CPU
+        h, x = self.post_attention_layernorm.add_forward(h, self.self_attn.o_proj(attn))
         return h + self.mlp(x)
+
+    def forward(self, h, cos, sin, kv_cache, md):
+        q, k, v = self.pre_attention(h, cos, sin)
+        return self.post_attention(h, self.self_attn.attend(q, k, v, kv_cache, md))
 
 
 # HF checkpoint name -> (our fused parameter, shard index) for the stacked projections.
