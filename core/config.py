@@ -82,6 +82,10 @@ class SchedulerConfig:
     # Pipeline stages P: up to P batches are in flight at once (see Scheduler). The budgets
     # above apply per batch, so up to P * max_num_seqs sequences may be running.
     pipeline_parallel_size: int = 1
+    # Async scheduling (one stage): step N+1 is scheduled while step N computes; a request
+    # whose token from N is still unknown gets its next decode with that token as a
+    # placeholder the workers fill in. Up to 2 batches are in flight (see Scheduler).
+    async_scheduling: bool = False
 
     def validate(self, cache: CacheConfig) -> None:
         if self.max_num_seqs < 1:
@@ -92,6 +96,10 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.async_scheduling and self.pipeline_parallel_size > 1:
+            raise ValueError(f"async scheduling overlaps the steps of one pipeline stage; with "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} the stages already keep "
+                             f"{self.pipeline_parallel_size} batches in flight: turn one of the two off")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:

@@ -87,6 +87,11 @@ class EngineArgs:
               "fuses each layer's elementwise kernels (SmolLM2 decode step on an H100: 2.4x faster than the "
               "uncompiled graphs); compiles once per batch bucket at start-up (~5 s each), falls back to "
               "uncompiled graphs if compiling fails")
+    mixed_step_graphs: bool = _arg(
+        True, "CUDA: run steps that mix prefill chunks and decodes (up to 2048 tokens) through piecewise CUDA "
+              "graphs: each layer's work between attention calls is captured per token-count bucket (16 to "
+              "2048), attention runs eagerly between the pieces (Llama-family dense models; --enforce-eager "
+              "turns these off too)")
     tensor_parallel_size: int = _arg(1, "tensor-parallel ranks (one worker each; must divide the query and KV heads)",
                                      aliases=("-tp",))
     pipeline_parallel_size: int = _arg(
@@ -97,6 +102,11 @@ class EngineArgs:
         None, "decoder layers per pipeline stage, comma-separated (e.g. 10,10,10: one positive entry per "
               "stage, summing to the model's layer count; default: an even split, earlier stages take "
               "the remainder)")
+    async_scheduling: bool = _arg(
+        False, "schedule step N+1 while step N computes (one worker: --tensor-parallel-size 1, one stage): "
+               "scheduling, input building, detokenization and output streaming hide behind the model's work; "
+               "a sequence's next decode takes the token N samples, filled in on the worker. A token computed "
+               "after a sequence's end is dropped; greedy outputs are unchanged")
     distributed_executor_backend: str | None = _arg(
         None, "uni | mp | ray: one in-process worker, one process per rank, one Ray actor per rank "
               "(default: uni for one rank, else mp)")
@@ -155,6 +165,17 @@ class EngineArgs:
             raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
                              f"{self.tensor_parallel_size} x pipeline-parallel-size "
                              f"{self.pipeline_parallel_size} needs mp or ray")
+        if self.async_scheduling:
+            if self.world_size > 1:
+                raise ValueError(f"async-scheduling needs one worker (the driver keeps the tokens it samples "
+                                 f"for the next step); tensor-parallel-size {self.tensor_parallel_size} x "
+                                 f"pipeline-parallel-size {self.pipeline_parallel_size} has {self.world_size}")
+            if self.step_log:
+                raise ValueError("step-log records one batch per step; with async-scheduling two are in "
+                                 "flight: drop one of the two")
+            if self.simulate is not None:
+                raise ValueError("async-scheduling is not supported by --simulate (its steps have no host "
+                                 "work of their own to hide)")
         if self.step_log and self.pipeline_parallel_size > 1:
             raise ValueError("step-log records one batch per step; with pipeline-parallel-size > 1 several "
                              "batches are in flight: drop --step-log or use one stage")

@@ -163,8 +163,12 @@ class KVCacheManager:
             self.pending_copies.append((src, dst))
         if need > 0:
             table.extend(gpu.allocate(need))
-        if self.enable_prefix_caching and end // bs > self._num_registered[seq.seq_id]:
-            self._publish(seq, table, end // bs)
+        # A block is published once its every token is known: under async scheduling a
+        # step may compute the token a batch in flight samples, and the block it fills then
+        # waits for the sequence's next allocation.
+        full = min(end, len(seq.token_ids)) // bs
+        if self.enable_prefix_caching and full > self._num_registered[seq.seq_id]:
+            self._publish(seq, table, full)
         return True
 
     def allocate_group(self, plan: list[tuple[Sequence, int]]) -> bool:

@@ -21,6 +21,19 @@ batch is updated). Budgets apply per batch; running sequence slots are
 `pipeline_parallel_size` x max_num_seqs so that every batch can be full. With one batch
 at a time nothing is ever in flight at `schedule()` and this costs nothing.
 
+Async scheduling (`SchedulerConfig.async_scheduling`, one stage, up to 2 batches in
+flight): step N+1 is scheduled while step N computes, so the host's scheduling, input
+building and output processing hide behind the device's work. A request in flight whose
+slice in N samples may then be scheduled again: its next decode computes the token N
+samples, which the scheduler does not know yet (a placeholder: the slice reaches one
+past the known tokens, and the workers fill in the token they sampled). It is not, when
+N's token will end it by length, when an abort or a stop string waits for N to land, for
+beam search, and for an n > 1 request before it forked. A token N+1 computes after
+N's token ended the sequence (EOS, a stop token) is dropped. A request in flight may
+also be preempted, always by recompute: its blocks are freed while N still writes
+them, which is safe because workers run steps in order (a later step that reuses a
+block writes it after N did), and N's token for it is dropped when N lands.
+
 A step's token accounting is vLLM v1's unified view: a sequence has `num_tokens` known
 tokens, `num_computed_tokens` of them in the cache, and a step computes a slice of the
 rest; it samples when that slice reaches the end.
@@ -97,6 +110,7 @@ class Scheduler:
         self._cap_needs_company = bool(rules is not None and rules.long_prefill_cap_needs_company)
         self._reserve_full = bool(rules is not None and rules.admission_reserves_full_sequence)
         self._victim_anywhere = bool(rules is not None and getattr(rules, "victim_from_whole_running", False))
+        self._async = config.async_scheduling
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -147,13 +161,17 @@ class Scheduler:
                 return False                      # already aborting, or finishing (as if done)
             actions.append(None)
             return True
+        self._leave(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def _leave(self, request: Request, status: RequestStatus) -> None:
+        """Finish `request` wherever it is: out of the waiting or swapped queue, or running."""
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-        self._finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._finish_request(request, status)
         self._prune_running()
-        return True
 
     def finish_sequence(self, seq: Sequence, status: RequestStatus, detail: str | None = None) -> None:
         """Finish one sequence from outside (e.g. a stop string found by a detokenizer)."""
@@ -168,8 +186,8 @@ class Scheduler:
         seq.finish_reason_detail = detail
         self._finish_seq(seq, status)
         if not request.seqs:
-            self._finish_request(request, status)
-            self._prune_running()
+            # (a request preempted while in flight may be back in the queue when this applies)
+            self._leave(request, status)
 
     def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
@@ -246,6 +264,7 @@ class Scheduler:
         # the P * max_num_seqs running slots. With P = 1 and one batch at a time neither
         # check can bind, and the loop skips both (None).
         in_flight = self._in_flight_requests() if self._in_flight else self._no_flight
+        overlap = self._async and in_flight is not None      # may requests in flight run again?
         seats = self.config.max_num_seqs        # sequences this batch may still take
 
         decode_table = self.kv.decode_table
@@ -255,15 +274,23 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             seqs = request.seqs
-            if in_flight is not None and (request in in_flight or len(seqs) > seats - len(scheduled)):
-                i += 1
-                continue
+            ahead = False           # in flight, and scheduled again (async scheduling)
+            if in_flight is not None:
+                if request in in_flight:
+                    if not (overlap and self._may_overlap(request)):
+                        i += 1
+                        continue
+                    ahead = True
+                if len(seqs) > seats - len(scheduled):
+                    i += 1
+                    continue
             params = request.params
             if len(seqs) == 1 and not params.beam_width:
                 # Fast path: a single-sequence decode that the manager can take as is.
                 seq = seqs[0]
                 c = seq.num_computed_tokens
-                if len(seq.token_ids) - c == 1 and (params.n == 1 or request._forked):
+                pending = len(seq.token_ids) - c
+                if (pending == 1 or (ahead and pending == 0)) and (params.n == 1 or request._forked):
                     table = decode_table(seq)
                     if table is not None:
                         scheduled.append(ScheduledSeq(seq, c, 1, 1, table))
@@ -272,12 +299,12 @@ class Scheduler:
                         budget -= 1
                         i += 1
                         continue
-            plan = self._plan(request, budget)
+            plan = self._plan(request, budget, ahead)
             if not plan:
                 i += 1
                 continue
             while not self.kv.allocate_group(plan):
-                if self._victim_anywhere and in_flight is None:
+                if self._victim_anywhere and (in_flight is None or overlap):
                     # vLLM v1 (priority): any running request, even one already scheduled
                     # this step (it gives its slice back)
                     victim = self.policies.victim.select(running)
@@ -288,13 +315,14 @@ class Scheduler:
                 else:
                     victim = self.policies.victim.select(running[i:])
                 preempted = True                # (either way: no admissions while a request lacks blocks)
-                if in_flight is not None and victim in in_flight:
+                victim_flies = in_flight is not None and victim in in_flight
+                if victim_flies and not overlap:
                     # The policy's victim is in flight: wait for its batch to land rather than
                     # preempt another in its place (two requests alternating in flight would
                     # otherwise keep preempting themselves: a livelock).
                     i += 1
                     break
-                self._preempt(victim, out, now)
+                self._preempt(victim, out, now, recompute=victim_flies)
                 if victim is request:
                     break
             else:
@@ -318,13 +346,28 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _plan(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
-        """Token slices for each live sequence of `request` this step (may be empty)."""
+    def _may_overlap(self, request: Request) -> bool:
+        """May `request`, in flight, be scheduled again before its batch lands?"""
+        params = request.params
+        if params.beam_width or (params.n > 1 and not request._forked) or request in self._deferred:
+            return False
+        max_len = self.config.max_model_len
+        for seq in request.seqs:
+            n = len(seq.token_ids)
+            if n == seq.num_computed_tokens and stop_status(params, None, None, n + 1 - seq.num_prompt_tokens,
+                                                            n + 1, max_len) is not None:
+                return False                    # the token in flight is its last
+        return True
+
+    def _plan(self, request: Request, budget: int, ahead: bool = False) -> list[tuple[Sequence, int]]:
+        """Token slices for each live sequence of `request` this step (may be empty).
+        `ahead`: the request is in flight; a sequence whose every known token is computed
+        decodes the token its batch in flight samples (async scheduling)."""
         seqs = request.seqs
         if len(seqs) == 1:                      # the common case, kept lean
             seq = seqs[0]
             pending = len(seq.token_ids) - seq.num_computed_tokens
-            if pending == 1:
+            if pending == 1 or (ahead and pending == 0):
                 return [(seq, 1)]
             n = self._chunk(pending, budget)
             return [(seq, n)] if n else []
@@ -332,7 +375,8 @@ class Scheduler:
             return self._plan_beams(seqs, budget)
         plan = []
         for seq in seqs:
-            n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            pending = len(seq.token_ids) - seq.num_computed_tokens
+            n = self._chunk(1 if ahead and pending == 0 else pending, budget)
             if n:
                 plan.append((seq, n))
                 budget -= n
@@ -375,7 +419,7 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + n
             samples = 0
-            if end == len(seq.token_ids):
+            if end >= len(seq.token_ids):       # (one past them: a placeholder's decode)
                 if params.beam_width:
                     samples = 2 * params.beam_width
                 elif params.n > 1 and not request._forked:
@@ -410,12 +454,15 @@ class Scheduler:
         out.num_batched_tokens -= freed
         return freed
 
-    def _preempt(self, request: Request, out: SchedulerOutput, now: float) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, now: float, recompute: bool = False) -> None:
+        """`recompute`: whatever the policy says (a request in flight: its KV is still being
+        written, and the token its batch samples will be dropped)."""
         self.running.remove(request)
         self.num_preemptions += 1
         request.metrics.num_preemptions += 1
         out.preempted.append(request)
-        if self.policies.preemption.mode_for(request) == "swap" and self.kv.can_swap_out(request.seqs):
+        if not recompute and self.policies.preemption.mode_for(request) == "swap" \
+                and self.kv.can_swap_out(request.seqs):
             out.blocks_to_swap_out.extend(self.kv.swap_out(request.seqs))
             request.status = RequestStatus.SWAPPED
             for seq in request.seqs:
@@ -636,7 +683,7 @@ class Scheduler:
                     if request.is_finished:
                         break
                     if action is None:
-                        self._finish_request(request, RequestStatus.FINISHED_ABORTED)
+                        self._leave(request, RequestStatus.FINISHED_ABORTED)
                     else:
                         self.finish_sequence(*action)
 

@@ -11,7 +11,10 @@ for each request that got tokens: incremental detokenization of each sequence, s
 string checks (a match finishes the sequence through `scheduler.finish_sequence`), and
 one RequestOutput with the text so far and the delta since the previous step.
 With P pipeline stages the core keeps up to P batches in flight: a step sends new batches
-while fewer than P fly, then returns the outputs of the oldest.
+while fewer than P fly, then returns the outputs of the oldest. With --async-scheduling
+(one worker) two fly: a step schedules and sends step N+1, then lands step N, so the
+detokenization and delivery of N's outputs, and N+2's scheduling, run while N+1 computes
+on the executor's model thread.
 """
 from __future__ import annotations
 
@@ -178,13 +181,15 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                            max_model_len=self.max_model_len,
                                            enable_chunked_prefill=args.enable_chunked_prefill,
-                                           pipeline_parallel_size=args.pipeline_parallel_size)
+                                           pipeline_parallel_size=args.pipeline_parallel_size,
+                                           async_scheduling=args.async_scheduling)
         self.scheduler = Scheduler(scheduler_config, cache_config, PolicySet.from_names(**args.policy_names()))
         self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         # With P pipeline stages, P batches in flight keep every stage busy (the core's batch
         # queue; the executor sends each without waiting for the previous one's tokens).
+        # Async scheduling: 2, the next step queued behind the one computing.
         self.core = EngineCore(self.scheduler, self.executor, clock=time.monotonic,
-                               max_concurrent_batches=args.pipeline_parallel_size)
+                               max_concurrent_batches=2 if args.async_scheduling else args.pipeline_parallel_size)
 
         cfg = self.model_config
         eos = getattr(self.tokenizer, "eos_token_id", None)

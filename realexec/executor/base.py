@@ -236,8 +236,13 @@ class ExecutorBase:
 
 
 class UniprocExecutor(ExecutorBase):
-    """One worker in this process; calls run inline in the caller's thread (the device and
-    torch's thread-local settings belong to it), so nothing is ever in flight."""
+    """One worker in this process. Calls run inline in the caller's thread (the device and
+    torch's thread-local settings belong to it), so nothing is ever in flight; except under
+    --async-scheduling, where every worker call, from init_device on, runs on one model
+    thread of its own, in submission order: `execute_model_async` builds the step's message
+    on the caller's thread (a snapshot of the scheduler's decision), queues it, and returns
+    at once, so the engine schedules the next step and processes outputs while this one
+    computes (torch releases the GIL inside its kernels)."""
     backend = "uni"
 
     def _init_workers(self) -> None:
@@ -246,14 +251,23 @@ class UniprocExecutor(ExecutorBase):
             raise ValueError(f"the uni backend runs one worker; {self.layout.pp} pipeline stage(s) x "
                              f"{self.layout.tp} tensor-parallel rank(s) need --distributed-executor-backend "
                              f"mp or ray")
+        self._model_thread = None
+        if self.args.async_scheduling:
+            from concurrent.futures import ThreadPoolExecutor
+            self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twinserve-model")
         self.driver = Worker(self.args, rank=0)
         self.workers = [self.driver]
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
         from realexec.worker.worker import call_on_worker
+        if self._model_thread is not None:      # after the steps already queued
+            return [self._model_thread.submit(call_on_worker, w, method, args, kwargs).result()
+                    for w in self.workers]
         return [call_on_worker(w, method, args, kwargs) for w in self.workers]
 
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        if self._model_thread is not None:
+            return self.execute_model_async(scheduler_output).result()
         t0 = time.perf_counter()
         result = self._execute(self.builder.build(scheduler_output))
         self._execute_time += time.perf_counter() - t0
@@ -264,9 +278,28 @@ class UniprocExecutor(ExecutorBase):
         return self.driver.execute_model(msg)
 
     def execute_model_async(self, scheduler_output) -> Future:
-        future: Future = Future()
-        future.set_result(self.execute_model(scheduler_output))
+        if self._model_thread is None:
+            future: Future = Future()
+            future.set_result(self.execute_model(scheduler_output))
+            return future
+        t0 = time.perf_counter()
+        msg = self.builder.build(scheduler_output)
+        future = _WaitTimedFuture(self)
+
+        def run() -> None:
+            try:
+                future.set_result(self._execute(msg))
+            except BaseException as e:  # noqa: BLE001  (handed to the engine through the future)
+                future.set_exception(e)
+
+        self._model_thread.submit(run)
+        self.num_steps += 1
+        self._execute_time += time.perf_counter() - t0
         return future
+
+    def shutdown(self) -> None:
+        if getattr(self, "_model_thread", None) is not None:
+            self._model_thread.shutdown(wait=True)
 
     @property
     def tokenizer(self):

@@ -19,6 +19,12 @@ Under pipeline parallelism every stage builds the same inputs from the same mess
 stage after the first takes the previous stage's hidden state instead of the embedding,
 a stage before the last hands its hidden state on and returns None: only the last
 stage's TP driver samples.
+
+Token ids are addressed by position. Under async scheduling (`provisional_tokens`) a step
+may decode the token the step before it sampled, which the engine has not confirmed yet:
+the driver writes each token it samples at its position right away (provisional), and a
+message's new token ids confirm positions from the sequence's confirmed count on (a
+preempted sequence's dropped token is overwritten when that position is sampled again).
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ class RequestState:
 
 class SeqState:
     """One sequence as the workers know it (duck-compatible with core.Sequence for the sampler)."""
-    __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "block_ids")
+    __slots__ = ("seq_id", "request", "token_ids", "num_prompt_tokens", "block_ids", "num_confirmed")
 
     def __init__(self, seq_id: int, request: RequestState, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int]):
@@ -55,6 +61,7 @@ class SeqState:
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.block_ids = block_ids
+        self.num_confirmed = len(token_ids)     # tokens the engine sent; any beyond are provisional
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,12 +73,14 @@ class SeqState:
 
 
 class SampleRow:
-    """One sequence that samples this step (what the sampler reads: .seq, .num_samples)."""
-    __slots__ = ("seq", "num_samples")
+    """One sequence that samples this step (what the sampler reads: .seq, .num_samples);
+    `end`: the position its sampled token takes."""
+    __slots__ = ("seq", "num_samples", "end")
 
-    def __init__(self, seq: SeqState, num_samples: int):
+    def __init__(self, seq: SeqState, num_samples: int, end: int = 0):
         self.seq = seq
         self.num_samples = num_samples
+        self.end = end
 
     @property
     def seq_id(self) -> int:
@@ -80,8 +89,10 @@ class SampleRow:
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_size: int, sampler: Sampler | None,
-                 tp_group=None, pp_group=None):
+                 tp_group=None, pp_group=None, provisional_tokens: bool = False):
         self.model = model
+        # Async scheduling: keep each sampled token (see the module docstring).
+        self.provisional_tokens = provisional_tokens
         self.device = device
         self.block_size = block_size
         self.sampler = sampler            # None except on the last stage's TP driver
@@ -89,6 +100,7 @@ class ModelRunner:
         self.pp_group = pp_group          # None: one stage
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.graph_runner = None       # a DecodeGraphRunner on CUDA (see worker), else None
+        self.mixed_graph_runner = None  # a PiecewiseGraphRunner on CUDA for other steps (see worker), else None
         self.prepare_time = 0.0        # seconds spent building inputs (host side)
         self.forward_time = 0.0        # seconds in forward + logits + sampling
         self.num_steps = 0
@@ -118,7 +130,9 @@ class ModelRunner:
         for d in msg.cached_seqs:
             seq = seqs[d.seq_id]
             if d.new_token_ids:
-                seq.token_ids.extend(d.new_token_ids)
+                n0, k = seq.num_confirmed, len(d.new_token_ids)
+                seq.token_ids[n0:n0 + k] = d.new_token_ids      # (over provisional tokens, if any)
+                seq.num_confirmed = n0 + k
             if d.resumed:
                 seq.block_ids = list(d.new_block_ids)
             elif d.new_block_ids:
@@ -127,6 +141,15 @@ class ModelRunner:
     def reset_states(self) -> None:
         self.requests.clear()
         self.seqs.clear()
+
+    @staticmethod
+    def keep_sampled(rows: list[SampleRow], result: ModelRunnerOutput) -> None:
+        """Write each row's sampled token at its position (provisional until a message
+        confirms it; for n > 1 and beams the first sample, which the engine's update keeps
+        for that sequence or overwrites by the next message)."""
+        sampled = result.token_ids
+        for row in rows:
+            row.seq.token_ids[row.end:] = sampled[row.seq.seq_id][:1]
 
     # -- one step ------------------------------------------------------------------------
     def prepare_inputs(self, msg: StepMessage):
@@ -161,7 +184,9 @@ class ModelRunner:
                 width = len(table)
             if k:
                 sample_rows.append(starts[-1] - 1)
-                samplers.append(SampleRow(seq, k))
+                samplers.append(SampleRow(seq, k, end))
+                if len(seq.token_ids) > end:
+                    del seq.token_ids[end:]       # a dropped provisional token: not history
         flat_tables = []
         for t in tables:
             flat_tables.extend(t)
@@ -201,6 +226,10 @@ class ModelRunner:
         if graphs is not None and md.is_decode_only and md.num_seqs <= graphs.max_batch:
             hidden = graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables,
                                 md.seq_lens_cpu)
+        elif self.mixed_graph_runner is not None and input_ids.shape[0] <= self.mixed_graph_runner.max_tokens:
+            # mixed prefill + decode (or prefill, or a decode batch above the decode graphs'):
+            # piecewise graphs around eager attention (one stage only, see worker)
+            hidden = self.mixed_graph_runner.run(input_ids, positions, self.kv_caches, md)
         elif pp is None or pp.size == 1:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
         else:
@@ -220,5 +249,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)       # full vocab on the driver, None elsewhere
             if self.sampler is not None:
                 result = self.sampler(logits, rows)
+                if self.provisional_tokens:
+                    self.keep_sampled(rows, result)
         self.forward_time += time.perf_counter() - t1
         return result

@@ -116,7 +116,8 @@ class Worker:
         self.model, self.model_config, self.tokenizer = self._load(with_tokenizer=self.with_tokenizer)
         check_tensor_parallel(self.model_config, self.layout.tp)
         sampler = Sampler(self.device, args.seed) if self.is_output_rank else None
-        self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp, self.pp)
+        self.runner = ModelRunner(self.model, self.device, args.block_size, sampler, self.tp, self.pp,
+                                  provisional_tokens=args.async_scheduling)
         return self.model_config
 
     def _load(self, with_tokenizer: bool):
@@ -236,10 +237,19 @@ class Worker:
 
     def _maybe_capture_decode_graphs(self, num_gpu_blocks: int) -> None:
         """On CUDA with a shape-only attention backend, decode replays captured graphs (one
-        stage only: a captured graph cannot wait on another stage's hidden state)."""
+        stage only: a captured graph cannot wait on another stage's hidden state). Other steps
+        of up to 2048 tokens (mixed prefill + decode) replay piecewise graphs around eager
+        attention (any backend; --no-mixed-step-graphs, or a model whose layers are not split
+        around attention, runs them eagerly)."""
         args, cfg = self.args, self.model_config
-        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        if self.device.type != "cuda" or args.enforce_eager or backend != "triton" or self.layout.pp > 1:
+        if self.device.type != "cuda" or args.enforce_eager or self.layout.pp > 1:
+            return
+        if args.mixed_step_graphs:
+            from realexec.worker.piecewise_graph import build_mixed_step_runner
+            self.runner.mixed_graph_runner = build_mixed_step_runner(
+                self.model, max_tokens=args.max_num_batched_tokens or 2048, device=self.device, capture=True)
+        backend = args.attention_backend or "triton"
+        if backend != "triton":
             return
         from realexec.worker.cuda_graph import DecodeGraphRunner
         max_len = min(cfg.max_position_embeddings, num_gpu_blocks * args.block_size)
@@ -344,6 +354,7 @@ class Worker:
         self.runner.kv_caches = cache
         if self.runner.graph_runner is not None:
             self.runner.graph_runner = None         # captured against the dropped cache
+        self.runner.mixed_graph_runner = None       # (its graph pool and buffers go with it)
 
     # -- introspection ---------------------------------------------------------------------
     def get_tokenizer(self):

@@ -126,9 +126,9 @@ def test_an_in_flight_request_is_never_preempted():
     in_flight_when_preempted = []
     original = sched._preempt
 
-    def watch(request, out, now):
+    def watch(request, out, now, **kw):
         in_flight_when_preempted.append(sched._is_in_flight(request))
-        original(request, out, now)
+        original(request, out, now, **kw)
 
     sched._preempt = watch
     engine.run_until_done(500)

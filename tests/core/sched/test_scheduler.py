@@ -95,7 +95,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(**SETUP)
     def setup(self, max_num_seqs, budget, extra_blocks, num_cpu, chunked, caching, preemption, queue, victim,
-              allocation, long_prefill, watermark, pp=1):
+              allocation, long_prefill, watermark, pp=1, async_scheduling=False):
         if not chunked:
             budget = max(budget, MAX_MODEL_LEN)
             if long_prefill:
@@ -107,21 +107,25 @@ class SchedulerMachine(RuleBasedStateMachine):
                 long_prefill = 0
         self.cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=chunked,
-                                   long_prefill_token_threshold=long_prefill, pipeline_parallel_size=pp)
+                                   long_prefill_token_threshold=long_prefill, pipeline_parallel_size=pp,
+                                   async_scheduling=async_scheduling)
         self.cache = CacheConfig(block_size=BS, num_gpu_blocks=MAX_MODEL_LEN // BS + extra_blocks,
                                  num_cpu_blocks=num_cpu, enable_prefix_caching=caching, watermark=watermark)
         self.victim, self.queue = victim, queue
         policies = PolicySet.from_names(queue=queue, preemption=preemption, allocation=allocation)
         policies.victim = self.checked_victim = CheckedVictim(victim)
         self.sched = Scheduler(self.cfg, self.cache, policies)
-        self.executor = WatermarkProbe(self.sched.kv)
-        self.engine = EngineCore(self.sched, self.executor, max_concurrent_batches=pp)
+        self.executor = self.make_executor()
+        self.engine = EngineCore(self.sched, self.executor, max_concurrent_batches=2 if async_scheduling else pp)
         self.requests: dict[str, Request] = {}
         self.aborted: set[str] = set()
         self.stopped: set[str] = set()     # a sequence finished from outside (the pipelined machine)
         self.first_admitted: list[Request] = []
         self.finished: list[Request] = []
         self.n = 0
+
+    def make_executor(self):
+        return WatermarkProbe(self.sched.kv)
 
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), max_tokens=st.integers(1, 12),
           n=st.sampled_from([1, 1, 1, 2, 3]), beam=st.sampled_from([0, 0, 0, 0, 2]), priority=st.integers(0, 2),

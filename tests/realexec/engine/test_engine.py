@@ -198,6 +198,91 @@ def test_preemption_same_tokens(tiny, reference, mode):
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
+# ----------------------------------------------------------------------------- async scheduling
+
+@pytest.mark.parametrize("kw", [dict(max_num_batched_tokens=8), dict(num_gpu_blocks=24),
+                                dict(num_gpu_blocks=24, preemption_mode="swap"), dict(enable_prefix_caching=True)],
+                         ids=["chunked", "recompute", "swap-policy", "prefix-cache"])
+def test_async_scheduling_same_tokens(tiny, reference, kw):
+    import threading
+    llm = tiny_llm(tiny, async_scheduling=True, **kw)
+    try:
+        params = SamplingParams(max_tokens=32, **GREEDY)
+        outs = llm.generate(PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        if kw.get("enable_prefix_caching"):
+            again = llm.generate(PROMPTS[3], params)[0]
+            assert again.metrics.num_cached_prompt_tokens > 0 and again.outputs[0].token_ids == reference[3]
+        if "num_gpu_blocks" in kw:
+            assert llm.engine.scheduler.num_preemptions > 0
+        stats = llm.engine.timing_stats()          # an RPC after the steps, on the model thread
+        assert stats["steps"] > 0
+        assert llm.engine.scheduler.kv.stats().num_used_gpu_blocks == 0
+    finally:
+        llm.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("twinserve-model")]
+
+
+def test_async_scheduling_overlaps_steps(tiny):
+    llm = tiny_llm(tiny, async_scheduling=True)
+    try:
+        engine = llm.engine
+        seen = []
+        schedule = engine.scheduler.schedule
+
+        def watched(now=0.0):
+            seen.append(engine.scheduler.num_in_flight)
+            return schedule(now)
+
+        engine.scheduler.schedule = watched
+        import threading
+        driver, threads = engine.executor.driver, set()
+        execute = driver.execute_model
+
+        def on_thread(msg):
+            threads.add(threading.current_thread().name)
+            return execute(msg)
+
+        driver.execute_model = on_thread
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, **GREEDY))
+        assert seen.count(1) >= 6          # most steps were scheduled while the one before computed
+        assert len(threads) == 1 and threads.pop().startswith("twinserve-model")   # not the caller's thread
+        assert engine.executor.num_steps == engine.scheduler.num_steps
+    finally:
+        llm.shutdown()
+
+
+def test_async_scheduling_needs_one_worker():
+    with pytest.raises(ValueError, match="async-scheduling needs one worker"):
+        LLM(model="unused", async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_async_scheduling_stop_strings_and_streaming(smol):
+    llm = LLM(block_size=16, kv_cache_memory=0.25, swap_space=0.01, async_scheduling=True)
+    try:
+        conv = [{"role": "user", "content": "Write a short poem about the sea."}]
+        base = smol.chat(conv, SamplingParams(temperature=0.0, max_tokens=40))[0].outputs[0]
+        words = base.text.split()
+        stop = " " + words[5]
+        idx = base.text.find(stop)
+        out = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]))[0].outputs[0]
+        assert out.text == base.text[:idx] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+        assert base.token_ids[:len(out.token_ids)] == out.token_ids
+        engine = llm.engine
+        rid = engine.add_request(engine.encode_chat(conv), SamplingParams(temperature=0.0, max_tokens=24))
+        text, tokens, final = "", [], None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                assert o.request_id == rid
+                text += o.outputs[0].text_delta
+                tokens += o.outputs[0].token_ids_delta
+                final = o
+        assert final.finished and text == final.outputs[0].text and tokens == final.outputs[0].token_ids
+        assert tokens == base.token_ids[:24]
+    finally:
+        llm.shutdown()
+
+
 # ----------------------------------------------------------------------------- n > 1, seeds
 
 @torch.no_grad()

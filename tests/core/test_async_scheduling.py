@@ -1,0 +1,352 @@
+"""Async scheduling: step N+1 is scheduled while step N computes, and a sequence whose
+token from N is not known yet decodes it as a placeholder the worker fills in.
+
+The executor here is a worker on the far side of the step messages (the real
+ModelRunner's state code, provisional tokens on) that computes each step the moment it
+is submitted, before the engine has seen the previous step's tokens: the situation async
+scheduling creates. It checks the paged KV cache as a model would use it: every slot a
+step writes holds the fingerprint of the token prefix it encodes, and every slot a step's
+attention reads (positions [0, end) through the sequence's block table) must hold its own
+prefix's, so a block freed, reused, published or swapped too early shows up as a wrong
+read. Tokens are a pure function of the history (tests/core/toy_executor.py), so every
+request must end with exactly the tokens of an unpreempted one-batch-at-a-time run.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+from hypothesis import event, settings, strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+
+from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler, \
+    SchedulerConfig
+from core.step_message import NewRequest, NewSeq, SeqDelta, StepMessage, StepMessageBuilder, params_to_plain
+from policies import PolicySet
+from realexec.worker.model_runner import ModelRunner
+from tests.core.sched.test_scheduler import BS, EOS, MAX_MODEL_LEN, SETUP, SchedulerMachine
+from tests.core.toy_executor import candidate_logprobs, next_token, reference_outputs
+
+
+def fingerprint(prefix: list[int]) -> int:
+    return hash(tuple(prefix))
+
+
+class KVCheckingExecutor:
+    """Computes each step at submission on a message-fed worker state, checking the KV cache."""
+
+    def __init__(self, kv=None, block_size: int = BS):
+        self.kv = kv                          # given: free GPU blocks are recorded per step
+        self.bs = block_size
+        self.builder = StepMessageBuilder()
+        self.runner = ModelRunner(None, "cpu", block_size, None, provisional_tokens=True)
+        self.gpu: dict[int, int] = {}         # slot -> fingerprint of the prefix its KV encodes
+        self.cpu: dict[int, int] = {}
+        self.steps = []                       # SchedulerOutputs, in submission order
+        self.free_during: list[int] = []
+        self.placeholders = 0                 # slices that reached past the engine's known tokens
+
+    def execute_model_async(self, out) -> Future:
+        self.steps.append(out)
+        if self.kv is not None:
+            self.free_during.append(self.kv.stats().num_free_gpu_blocks)
+        self.placeholders += sum(s.start + s.num_tokens > len(s.seq.token_ids) for s in out.scheduled)
+        future: Future = Future()
+        future.set_result(self._run(self.builder.build(out)))
+        return future
+
+    def execute_model(self, out) -> ModelRunnerOutput:
+        return self.execute_model_async(out).result()
+
+    def _move(self, src: dict, dst: dict, pairs) -> None:
+        bs = self.bs
+        for a, b in pairs:
+            for off in range(bs):
+                value = src.get(a * bs + off)
+                if value is None:
+                    dst.pop(b * bs + off, None)
+                else:
+                    dst[b * bs + off] = value
+
+    def _run(self, msg) -> ModelRunnerOutput:
+        # The worker's order: swap out, swap in, copy, then the model.
+        self._move(self.gpu, self.cpu, msg.blocks_to_swap_out)
+        self._move(self.cpu, self.gpu, msg.blocks_to_swap_in)
+        self._move(self.gpu, self.gpu, msg.blocks_to_copy)
+        runner, bs = self.runner, self.bs
+        runner.update_states(msg)
+        if not msg.seq_ids:
+            return ModelRunnerOutput(token_ids={})
+        rows = runner.prepare_inputs(msg)[3]
+        batch = [(runner.seqs[sid], start, start + n) for sid, start, n in zip(msg.seq_ids, msg.starts, msg.num_tokens)]
+        for seq, start, end in batch:                       # the step writes its K/V first ...
+            toks, table = seq.token_ids, seq.block_ids
+            assert len(toks) >= end, (f"seq {seq.seq_id} computes [{start}, {end}) but the worker knows "
+                                      f"{len(toks)} of its tokens")
+            for p in range(start, end):
+                self.gpu[table[p // bs] * bs + p % bs] = fingerprint(toks[:p + 1])
+        for seq, _, end in batch:                           # ... then attention reads the context
+            toks, table = seq.token_ids, seq.block_ids
+            for p in range(end):
+                slot = table[p // bs] * bs + p % bs
+                assert self.gpu.get(slot) == fingerprint(toks[:p + 1]), (
+                    f"seq {seq.seq_id} reads position {p} from block {table[p // bs]}, which holds other KV")
+        tokens, logprobs = {}, {}
+        for row in rows:
+            history = row.seq.token_ids        # all of it, as a sampler's penalties read it
+            assert len(history) == row.end, f"seq {row.seq_id} samples with {len(history) - row.end} stale tokens"
+            k = row.num_samples
+            if row.seq.request.params.beam_width:
+                tokens[row.seq_id], logprobs[row.seq_id] = candidate_logprobs(history, k)
+            else:
+                tokens[row.seq_id] = [next_token(history, j) for j in range(k)]
+                logprobs[row.seq_id] = [-1.0] * k
+        result = ModelRunnerOutput(token_ids=tokens, logprobs=logprobs)
+        runner.keep_sampled(rows, result)
+        return result
+
+
+def make(**kw):
+    cache_kw = {k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__}
+    policy_kw = {k: kw.pop(k) for k in list(kw) if k in ("queue", "preemption", "victim", "eviction", "scheduler")}
+    kw.setdefault("max_model_len", MAX_MODEL_LEN)
+    cache_kw.setdefault("block_size", BS)
+    cache_kw.setdefault("num_gpu_blocks", 64)
+    sched = Scheduler(SchedulerConfig(async_scheduling=True, **kw), CacheConfig(**cache_kw),
+                      PolicySet.from_names(**policy_kw))
+    ex = KVCheckingExecutor(sched.kv)
+    return EngineCore(sched, ex, max_concurrent_batches=2), sched, ex
+
+
+def add(engine, name, prompt, max_tokens=8, **params):
+    params.setdefault("ignore_eos", True)
+    return engine.add_request(Request(name, prompt, SamplingParams(max_tokens=max_tokens, **params),
+                                      eos_token_id=EOS))
+
+
+def slices(ex, request):
+    return [(s.start, s.num_tokens) for out in ex.steps for s in out.scheduled if s.seq.request is request]
+
+
+def expected(request):
+    p = request.params
+    return reference_outputs(request.prompt_token_ids, p.max_tokens, p.n, EOS, p.ignore_eos, MAX_MODEL_LEN)
+
+
+# -- targeted behaviour ---------------------------------------------------------------------
+
+def test_decodes_overlap_their_batch_in_flight():
+    engine, sched, ex = make(max_num_batched_tokens=64)
+    a = add(engine, "a", [1, 2, 3, 4, 5])
+    b = add(engine, "b", [6, 7, 8])
+    engine.run_until_done(100)
+    # The first step's prefills are in flight when the second is scheduled: both requests
+    # decode the token they are sampling there, and every step after holds both again.
+    assert [len(out.scheduled) for out in ex.steps] == [2] * 8
+    assert slices(ex, a) == [(0, 5)] + [(p, 1) for p in range(5, 12)]
+    assert ex.placeholders == 14
+    for r in (a, b):
+        assert r.finished_seqs[0].output_token_ids == expected(r)[0]
+    assert sched.kv.gpu.num_used == 0
+
+
+def test_no_decode_is_scheduled_past_the_length_limit():
+    engine, sched, ex = make(max_num_batched_tokens=64)
+    r = add(engine, "r", [1, 2, 3], max_tokens=3)
+    engine.run_until_done(50)
+    # Prefill samples token 1, two decodes sample tokens 2 and 3: none beyond.
+    assert slices(ex, r) == [(0, 3), (3, 1), (4, 1)]
+    assert r.finished_seqs[0].output_token_ids == expected(r)[0]
+
+
+def test_a_token_computed_after_the_end_is_dropped():
+    prompt = [1, 2, 3, 4]
+    ref = reference_outputs(prompt, 8, 1, None, True, MAX_MODEL_LEN)[0]
+    eos = ref[2]                          # the third output token ends it (EOS)
+    if eos in ref[:2]:
+        pytest.skip("toy tokens repeat")
+    engine, sched, ex = make(max_num_batched_tokens=64)
+    r = engine.add_request(Request("r", prompt, SamplingParams(max_tokens=8), eos_token_id=eos))
+    engine.run_until_done(50)
+    assert r.status is RequestStatus.FINISHED_STOPPED
+    assert r.finished_seqs[0].output_token_ids == ref[:3]
+    # The decode of the EOS token was already scheduled when it was sampled: computed, dropped.
+    assert slices(ex, r) == [(0, 4), (4, 1), (5, 1), (6, 1)]
+    assert sched.kv.gpu.num_used == 0 and not sched.kv.tables
+
+
+def test_a_stop_string_match_waits_for_the_batch_and_stops_the_overlap():
+    engine, sched, ex = make(max_num_batched_tokens=64)
+    r = add(engine, "r", [1, 2, 3], max_tokens=20)
+    engine.step()                         # lands the prefill; the first decode is in flight
+    seq = r.seqs[0]
+    sched.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, "stop")     # deferred: in flight
+    assert seq.status is RequestStatus.RUNNING
+    engine.run_until_done(20)
+    assert r.status is RequestStatus.FINISHED_STOPPED
+    # Nothing more was scheduled once the finish was waiting; the in-flight token is not kept.
+    assert slices(ex, r) == [(0, 3), (3, 1)]
+    assert seq.output_token_ids == expected(r)[0][:1]
+
+
+def test_a_victim_in_flight_is_recomputed_even_under_swap():
+    engine, sched, ex = make(max_num_batched_tokens=32, num_gpu_blocks=8, num_cpu_blocks=32, watermark=0.0,
+                             preemption="swap")
+    reqs = [add(engine, f"r{i}", [i + 1] * 6, max_tokens=12) for i in range(3)]
+    engine.run_until_done(500)
+    assert sched.num_preemptions > 0 and sched.num_swaps == 0
+    for r in reqs:
+        assert r.finished_seqs[0].output_token_ids == expected(r)[0]
+    assert sched.kv.gpu.num_used == 0 and sched.kv.cpu.num_used == 0
+
+
+def test_forked_samples_overlap_and_beams_wait_for_their_batch():
+    engine, sched, ex = make(max_num_batched_tokens=64)
+    n3 = add(engine, "n3", [1, 2, 3], max_tokens=6, n=3)
+    beam = engine.add_request(Request("beam", [4, 5, 6], SamplingParams(beam_width=2, max_tokens=5, temperature=0.0),
+                                      eos_token_id=EOS))
+    overlapped = []             # requests scheduled while a batch holding them was in flight
+    schedule = sched.schedule
+
+    def watched(now=0.0):
+        flying = sched._in_flight_requests() if sched.num_in_flight else set()
+        out = schedule(now)
+        overlapped.extend(s.seq.request.request_id for s in out.scheduled if s.seq.request in flying)
+        return out
+
+    sched.schedule = watched
+    engine.run_until_done(100)
+    assert sorted(s.output_token_ids for s in n3.finished_seqs) == sorted(expected(n3))
+    assert beam.status.finished and len(beam.finished_seqs) == 2
+    assert "beam" not in overlapped
+    # Before its fork n3 waits too (its children appear when its batch lands); then its
+    # three samples decode ahead, each one.
+    assert overlapped.count("n3") >= 3 and overlapped.count("n3") % 3 == 0
+
+
+def test_an_abort_in_flight_stops_the_overlap_and_frees_everything():
+    engine, sched, ex = make(max_num_batched_tokens=64)
+    r = add(engine, "r", [1, 2, 3], max_tokens=20)
+    other = add(engine, "o", [4, 5], max_tokens=6)
+    engine.step()
+    assert sched.abort("r")
+    engine.run_until_done(50)
+    assert r.status is RequestStatus.FINISHED_ABORTED
+    assert len(slices(ex, r)) == 2
+    assert other.finished_seqs[0].output_token_ids == expected(other)[0]
+    assert sched.kv.gpu.num_used == 0
+
+
+def test_an_aborted_request_preempted_in_flight_leaves_the_queue_when_its_batch_lands():
+    engine, sched, ex = make(max_num_batched_tokens=64, num_gpu_blocks=2, watermark=0.0, max_model_len=8)
+    a = add(engine, "a", [1, 2, 3, 4], max_tokens=3)
+    b = add(engine, "b", [5, 6, 7, 8], max_tokens=3)
+    first = sched.schedule(0.0)                    # both prompts, one block each: the pool is full
+    landed = ex.execute_model_async(first)
+    assert sched.abort("b")                        # in flight: waits for its batch
+    second = sched.schedule(1.0)                   # a's decode needs a block: b, in flight, is the victim
+    assert second.preempted == [b] and b.status is RequestStatus.WAITING
+    pending = ex.execute_model_async(second)
+    sched.update(first, landed.result(), 2.0)     # the deferred abort applies to a queued request
+    assert b.status is RequestStatus.FINISHED_ABORTED
+    assert b not in list(sched.waiting) and sched.num_waiting == 0
+    sched.update(second, pending.result(), 3.0)
+    engine.run_until_done(20)
+    assert a.status is RequestStatus.FINISHED_LENGTH and len(a.finished_seqs[0].output_token_ids) == 3
+    assert sched.kv.gpu.num_used == 0
+
+
+def test_the_worker_confirms_provisional_tokens_in_place():
+    runner = ModelRunner(None, "cpu", BS, None, provisional_tokens=True)
+    runner.update_states(StepMessage(new_requests=[NewRequest("r", params_to_plain(SamplingParams()), None)],
+                                     new_seqs=[NewSeq(0, "r", [1, 2, 3], 3, [0])]))
+    seq = runner.seqs[0]
+    seq.token_ids.extend([9, 10])              # sampled by the last two steps, not confirmed yet
+    runner.update_states(StepMessage(cached_seqs=[SeqDelta(0, [9], [])]))
+    assert seq.token_ids == [1, 2, 3, 9, 10] and seq.num_confirmed == 4
+    # The engine dropped 10 (the sequence was preempted) and later confirmed another token there.
+    runner.update_states(StepMessage(cached_seqs=[SeqDelta(0, [7], [1], resumed=True)]))
+    assert seq.token_ids == [1, 2, 3, 9, 7] and seq.num_confirmed == 5 and seq.block_ids == [1]
+
+
+def test_async_scheduling_with_pipeline_stages_is_a_config_error():
+    with pytest.raises(ValueError, match="async scheduling"):
+        SchedulerConfig(async_scheduling=True, pipeline_parallel_size=2).validate(CacheConfig(num_gpu_blocks=64))
+
+
+# -- the stateful machine ---------------------------------------------------------------------
+
+class AsyncSchedulerMachine(SchedulerMachine):
+    """SchedulerMachine's workload, budgets, policies, FCFS, liveness and output equality,
+    under async scheduling, through the KV-checking worker; plus stop strings applied from
+    outside while batches fly, and every live sequence's prefix-cache hash chain."""
+
+    @initialize(**SETUP)
+    def setup(self, **kw):
+        SchedulerMachine.setup(self, async_scheduling=True, **kw)
+        self.victims_in_flight = 0
+        preempt = self.sched._preempt
+
+        def counted(request, out, now, recompute=False):
+            self.victims_in_flight += recompute
+            preempt(request, out, now, recompute)
+
+        self.sched._preempt = counted
+
+    @rule(prompts=st.lists(st.lists(st.integers(0, 49), min_size=4, max_size=30), min_size=2, max_size=4),
+          max_tokens=st.integers(2, 12))
+    def add_burst(self, prompts, max_tokens):
+        """Several requests at once: load enough to preempt requests in flight."""
+        for prompt in prompts:
+            self.add_request(prompt=prompt, max_tokens=max_tokens, n=1, beam=0, priority=0, ignore_eos=True,
+                             shared=False)
+
+    def make_executor(self):
+        return KVCheckingExecutor(self.sched.kv)
+
+    @rule(data=st.data())
+    def stop_string(self, data):
+        live = [seq for r in self.sched.running if not r.params.beam_width for seq in r.seqs]
+        if not live:
+            return
+        seq = data.draw(st.sampled_from(live))
+        self.sched.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, "stop string")
+        self.stopped.add(seq.request.request_id)
+
+    @invariant()
+    def hash_chains_hold_known_tokens(self):
+        if not hasattr(self, "sched") or not self.cache.enable_prefix_caching:
+            return
+        kv = self.sched.kv
+        for r in self.sched.running:
+            for seq in r.seqs:
+                parent = None
+                for i, h in enumerate(seq.block_hashes):
+                    block = seq.token_ids[i * BS:(i + 1) * BS]
+                    assert len(block) == BS, f"seq {seq.seq_id}: block {i} hashed before its tokens were known"
+                    parent = kv.hash_block(parent, tuple(block), r.cache_salt if i == 0 else None)
+                    assert h == parent, f"seq {seq.seq_id}: block {i}'s hash is not its tokens'"
+
+    @invariant()
+    def at_most_two_batches_fly(self):
+        if hasattr(self, "sched"):
+            assert self.sched.num_in_flight <= 2
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        SchedulerMachine.teardown(self)
+        event(f"placeholders={min(self.executor.placeholders, 1)}")
+        event(f"victims in flight={min(self.victims_in_flight, 1)}")
+        for req in self.finished:
+            if req.request_id not in self.stopped or req.request_id in self.aborted:
+                continue
+            p = req.params
+            refs = reference_outputs(req.prompt_token_ids, p.max_tokens, p.n, EOS, p.ignore_eos, MAX_MODEL_LEN)
+            for seq in req.finished_seqs:
+                out = seq.output_token_ids
+                assert any(ref[:len(out)] == out for ref in refs), f"{req.request_id}: {out} not a prefix of {refs}"
+
+
+AsyncSchedulerMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=40, deadline=None)
+TestAsyncSchedulerMachine = AsyncSchedulerMachine.TestCase
