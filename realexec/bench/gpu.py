@@ -12,6 +12,7 @@ fails or runs out of time is reported and the next one still runs):
   3. attention `bench kernels`: decode-attention bandwidth table, decode step graph vs eager,
                mixed prefill+decode step piecewise graphs vs eager
   4. throughput `bench throughput`: ours vs HF generate on ShareGPT, then our engine with
+               async scheduling, without the mixed-step piecewise graphs, with
                uncompiled decode graphs, eager, and with the torch attention backend, for the
                compile, graph and kernel speed-ups end to end
   5. serve     `realexec serve` and `bench serve` against it (ShareGPT, 400 requests at 16
@@ -97,13 +98,13 @@ def prompt_ids(model: str) -> list[list[int]]:
 
 
 def greedy_tokens(model: str, prompts, backend: str, max_tokens: int, eager: bool, device: str,
-                  compile_decode: bool = False) -> list[list[int]]:
+                  compile_decode: bool = False, **engine_args) -> list[list[int]]:
     """Our engine's greedy tokens for GREEDY_PROMPTS in fp32."""
     from core import SamplingParams
     from realexec import LLM
 
     llm = LLM(model, device=device, dtype="float32", attention_backend=backend, enforce_eager=eager,
-              gpu_memory_utilization=0.3, max_num_seqs=64, compile_decode=compile_decode)
+              gpu_memory_utilization=0.3, max_num_seqs=64, compile_decode=compile_decode, **engine_args)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -143,7 +144,9 @@ def run_greedy(model: str, max_tokens: int, out: Path, device: str = "cuda", num
     torch.backends.cudnn.allow_tf32 = False
     results = {}
     prompts = prompt_ids(model)[:num_prompts]
-    paths = [("triton+graphs", lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device))]
+    paths = [("triton+graphs", lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device)),
+             ("triton+graphs+async", lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device,
+                                                           async_scheduling=True))]
     if device == "cuda":     # compile_decode only applies to the CUDA decode graphs
         paths.append(("triton+graphs+compile",
                       lambda: greedy_tokens(model, prompts, "triton", max_tokens, False, device, compile_decode=True)))
@@ -306,9 +309,15 @@ def main(argv=None) -> int:
                               "--attention-backend", "torch",
                               "--output-json", str(out / "throughput_torch.json")], 60, None),
     }
+    for name, flag in (("async", "--async-scheduling"), ("no-mixed-graphs", "--no-mixed-step-graphs")):
+        steps[f"throughput-{name}"] = ([py, "-m", "realexec", "bench", "throughput", "--model", model, *SLICE,
+                                        "--num-requests", "256", "--max-tokens-cap", "128", "--skip-hf", flag,
+                                        "--output-json", str(out / f"throughput_{name.replace('-', '_')}.json")],
+                                       90, None)
     wanted = args.steps.split(",")
     if "throughput" in wanted:
-        wanted += ["throughput-uncompiled", "throughput-eager", "throughput-torch"]
+        wanted += ["throughput-async", "throughput-no-mixed-graphs", "throughput-uncompiled", "throughput-eager",
+                   "throughput-torch"]
     unknown = [s for s in wanted if s not in steps]
     if unknown:
         print(f"error: unknown step(s) {unknown}; choose from {sorted(steps)}", file=sys.stderr)

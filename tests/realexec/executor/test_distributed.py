@@ -112,6 +112,19 @@ def test_tp2_mp_matches_tp1(mp_llm, reference):
     assert (swaps, recomputes, hits) == reference[1:]       # the same schedule, not just the same tokens
 
 
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_async_scheduling_matches_tp1(tiny, reference, backend):
+    """One worker, in this process (its model thread) or in a worker process of its own: the
+    workload's greedy tokens (chunks, n = 2, prefix hits, preemptions in flight) are unchanged."""
+    llm = LLM(model=tiny, distributed_executor_backend=backend, async_scheduling=True, **TIGHT)
+    try:
+        out, swaps, recomputes, hits = run_workload(llm)
+        assert out == reference[0]
+        assert recomputes + swaps > 0 and hits > 0
+    finally:
+        llm.shutdown()
+
+
 def test_per_rank_kv_capacity_is_one_function_for_sim_and_workers(mp_llm, tiny, monkeypatch):
     """Each rank budgets its own KV heads (half of them at TP=2: twice the blocks), through
     core.kv.kv_capacity, the function `python -m sim run --tp N` sizes its cache with."""

@@ -364,6 +364,52 @@ def test_sigterm_drains_then_exits_clean(tiny_dir):
         _assert_stopped_with_every_block_free(log)
 
 
+def test_async_scheduling_server_streams_aborts_and_stops_clean(tiny_dir):
+    """`realexec serve --async-scheduling`: the OpenAI client gets the same greedy text as
+    the engine run without it, streamed chunks add up, a client that disconnects mid-stream
+    (its request in flight) is aborted, and the server stops with every KV block free."""
+    from core import SamplingParams
+    from realexec.config import EngineArgs
+    from realexec.engine.llm_engine import LLMEngine
+
+    prompt = "Once upon a time"
+    engine = LLMEngine(EngineArgs(model=tiny_dir, num_gpu_blocks=1024, swap_space=0.01))
+    try:
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        want = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    want = out.outputs[0].text
+    finally:
+        engine.shutdown()
+    with _server(tiny_dir, "--async-scheduling", "--shutdown-timeout", "3") as (proc, base, log):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model=TINY, prompt=prompt, max_tokens=24, temperature=0.0, extra_body=IGNORE_EOS)
+        assert client.completions.create(**kw).choices[0].text == want
+        chunks = list(client.completions.create(stream=True, **kw))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        with httpx.Client(base_url=base, timeout=60) as c, c.stream(
+                "POST", "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 2000, "stream": True, **IGNORE_EOS}) as resp:
+            for n, line in enumerate(resp.iter_lines()):
+                if n >= 6:
+                    break                  # hang up while the engine has the request in flight
+        deadline = time.monotonic() + 30
+        while metrics_of(base).get("twinserve:request_success_total{finished_reason=abort}", 0) < 1:
+            assert time.monotonic() < deadline, "the disconnected stream was never aborted"
+            time.sleep(0.1)
+        assert client.completions.create(**kw).choices[0].text == want     # still serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        _assert_stopped_with_every_block_free(log)
+
+
+def metrics_of(base: str) -> dict[str, float]:
+    with httpx.Client(base_url=base, timeout=30) as c:
+        return metrics(c)
+
+
 def test_second_signal_exits_at_once(tiny_dir):
     with _server(tiny_dir, "--shutdown-timeout", "60") as (proc, base, log):
         started = threading.Event()
