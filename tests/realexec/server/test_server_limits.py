@@ -392,7 +392,7 @@ def test_async_scheduling_server_streams_aborts_and_stops_clean(tiny_dir):
         with httpx.Client(base_url=base, timeout=60) as c, c.stream(
                 "POST", "/v1/completions",
                 json={"prompt": prompt, "max_tokens": 2000, "stream": True, **IGNORE_EOS}) as resp:
-            for n, line in enumerate(resp.iter_lines()):
+            for n, _ in enumerate(resp.iter_lines()):
                 if n >= 6:
                     break                  # hang up while the engine has the request in flight
         deadline = time.monotonic() + 30
