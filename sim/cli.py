@@ -267,6 +267,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if resolved.config.pipeline_parallel_size > 1:
             raise UsageError("--pipeline-parallel-size simulates one pipelined replica; fleets (--replicas, --router, --disaggregate) "
                              "run one-stage replicas only")
+        if resolved.config.async_scheduling:
+            raise UsageError("--async-scheduling simulates one replica; fleets (--replicas, --router, --disaggregate) "
+                             "run replicas that schedule one step at a time")
         return _run_fleet(args, resolved, trace, out)
     if args.slo_ttft or args.slo_tpot:
         raise UsageError("--slo-ttft/--slo-tpot report a fleet's goodput: add --replicas, --router or --disaggregate")

@@ -112,6 +112,9 @@ class SimConfig:
         None, "GB/s per direction between consecutive pipeline stages (default: --hardware's NVLink when the "
               "P x tp GPUs fit one 8-GPU node, else 25 GB/s, a 200 Gb/s InfiniBand NIC per GPU)",
         type=positive_float, metavar="GBPS")
+    async_scheduling: bool = _knob(
+        False, "schedule step N+1 while step N computes (vLLM's async scheduling; one stage): the host's per-step "
+               "work (the cost model's overhead) overlaps the device's, 2 batches in flight, no event skipping")
     num_gpu_blocks: int | None = _knob(None, "KV blocks in the GPU pool (default: sized from memory like vLLM)",
                                        type=positive_int, metavar="N")
     gpu_memory_utilization: float = _knob(0.9, "fraction of GPU memory the engine may use", type=fraction,

@@ -183,7 +183,8 @@ def resolve(config: SimConfig) -> ResolvedConfig:
     num_cpu_blocks = int(c.swap_space * GiB) // block_bytes
     sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=batched,
                             max_model_len=max_model_len, enable_chunked_prefill=c.enable_chunked_prefill,
-                            long_prefill_token_threshold=c.long_prefill_token_threshold, pipeline_parallel_size=c.pipeline_parallel_size)
+                            long_prefill_token_threshold=c.long_prefill_token_threshold, pipeline_parallel_size=c.pipeline_parallel_size,
+                            async_scheduling=c.async_scheduling)
     cache = CacheConfig(block_size=c.block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         enable_prefix_caching=c.enable_prefix_caching, watermark=c.watermark)
     cache.validate()
@@ -239,6 +240,7 @@ class SimResult:
     memory_breakdown: dict = field(default_factory=dict)   # sim.memory: Figure 2 shares, slot-seconds
     kv_sharing: dict = field(default_factory=dict)         # sim.memory: physical vs logical blocks
     pipeline: dict = field(default_factory=dict)           # sim.cluster.pipeline_parallel: stages, busy fractions (P > 1)
+    async_scheduling: dict = field(default_factory=dict)   # sim.async_scheduling: host / device busy fractions
 
     TIMESERIES_COLUMNS = TIMESERIES_COLUMNS             # sim.timeseries: the file's columns and units
 

@@ -119,6 +119,8 @@ def build_summary(result: SimResult) -> dict:
     s["kv_sharing"] = result.kv_sharing
     if result.pipeline:
         s["pipeline"] = result.pipeline
+    if result.async_scheduling:
+        s["async_scheduling"] = result.async_scheduling
     s["trace"] = result.trace_source
     s["config"] = result.config.echo()
     return _clean(s)
@@ -238,6 +240,11 @@ def format_summary(summary: dict) -> str:
         lines.append(f"pipeline     stages of {'/'.join(map(str, pipe['stage_layers']))} layers, busy "
                      f"{' / '.join(f'{b:.0%}' for b in pipe['stage_busy'])}; "
                      f"{pipe['batches_in_flight_mean']:.2f} batches in flight on average")
+    overlap = summary.get("async_scheduling")
+    if overlap:
+        lines.append(f"async        host busy {overlap['host_busy']:.0%}, device busy {overlap['device_busy']:.0%} "
+                     f"(scheduled while the step before computes); "
+                     f"{overlap['batches_in_flight_mean']:.2f} batches in flight on average")
     shares = summary.get("memory_breakdown", {}).get("shares")
     if shares:
         lines.append(

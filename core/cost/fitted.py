@@ -57,6 +57,14 @@ class FittedCostModel:
         t = self.evaluator.step_time(batch.num_seqs, batch.num_new_tokens, batch.context_sum, batch.attn_pairs)
         return t * self.jitter.next() if self.jitter is not None and t > 0 else t
 
+    def host_time(self, batch: BatchShape) -> float:
+        """The profile's fitted engine overhead (scheduling, update, detokenization) of this
+        batch: the host's share of step_time, by the grid model (no calibration or jitter)."""
+        if batch.num_seqs <= 0:
+            return 0.0
+        return max(0.0, self.evaluator.part_time("overhead", batch.num_seqs, batch.num_new_tokens,
+                                                 batch.context_sum, batch.attn_pairs))
+
     def swap_time(self, num_blocks: int, block_bytes: int) -> float:
         swap = self.evaluator.model.get("swap")
         if swap is not None:

@@ -109,6 +109,10 @@ class CostModel(Protocol):
 
     def swap_time(self, num_blocks: int, block_bytes: int) -> float: ...
 
+    # Optional: `host_time(batch) -> float`, the part of step_time the host spends (scheduling,
+    # input preparation, output processing), which async scheduling overlaps with the device's
+    # work on the step before (sim.async_scheduling); a model without it hides nothing.
+
 
 @dataclass(frozen=True)
 class StepBreakdown:
@@ -319,6 +323,10 @@ class RooflineCostModel:
             overhead_s=self.step_overhead_s,
             alltoall_s=self._alltoall_s(b.num_new_tokens),
         )
+
+    def host_time(self, batch: BatchShape) -> float:
+        """The per-step overhead: the host's share of step_time (the device's is the rest)."""
+        return self.step_overhead_s if batch.num_seqs else 0.0
 
     def step_time(self, batch: BatchShape) -> float:
         if batch.num_seqs == 0:
