@@ -103,7 +103,7 @@ class EngineArgs:
               "stage, summing to the model's layer count; default: an even split, earlier stages take "
               "the remainder)")
     async_scheduling: bool = _arg(
-        False, "schedule step N+1 while step N computes (one worker: --tensor-parallel-size 1, one stage): "
+        False, "schedule step N+1 while step N computes (one pipeline stage): "
                "scheduling, input building, detokenization and output streaming hide behind the model's work; "
                "a sequence's next decode takes the token N samples, filled in on the worker. A token computed "
                "after a sequence's end is dropped; greedy outputs are unchanged")
@@ -166,10 +166,10 @@ class EngineArgs:
                              f"{self.tensor_parallel_size} x pipeline-parallel-size "
                              f"{self.pipeline_parallel_size} needs mp or ray")
         if self.async_scheduling:
-            if self.world_size > 1:
-                raise ValueError(f"async-scheduling needs one worker (the driver keeps the tokens it samples "
-                                 f"for the next step); tensor-parallel-size {self.tensor_parallel_size} x "
-                                 f"pipeline-parallel-size {self.pipeline_parallel_size} has {self.world_size}")
+            if self.pipeline_parallel_size > 1:
+                raise ValueError(f"async-scheduling overlaps the steps of one pipeline stage; pipeline-parallel-size "
+                                 f"{self.pipeline_parallel_size} already keeps that many batches in flight: drop one "
+                                 f"of the two")
             if self.step_log:
                 raise ValueError("step-log records one batch per step; with async-scheduling two are in "
                                  "flight: drop one of the two")

@@ -70,6 +70,12 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
+        """The driver's x on every rank (in place)."""
+        if self.size > 1:
+            dist.broadcast(x, src=self.driver_global_rank, group=self.group)
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's x along the last dim on the driver; None on other ranks."""
         if self.size == 1:

@@ -12,7 +12,7 @@ string checks (a match finishes the sequence through `scheduler.finish_sequence`
 one RequestOutput with the text so far and the delta since the previous step.
 With P pipeline stages the core keeps up to P batches in flight: a step sends new batches
 while fewer than P fly, then returns the outputs of the oldest. With --async-scheduling
-(one worker) two fly: a step schedules and sends step N+1, then lands step N, so the
+(one stage) two fly: a step schedules and sends step N+1, then lands step N, so the
 detokenization and delivery of N's outputs, and N+2's scheduling, run while N+1 computes
 on the executor's model thread.
 """

@@ -22,9 +22,10 @@ stage's TP driver samples.
 
 Token ids are addressed by position. Under async scheduling (`provisional_tokens`) a step
 may decode the token the step before it sampled, which the engine has not confirmed yet:
-the driver writes each token it samples at its position right away (provisional), and a
-message's new token ids confirm positions from the sequence's confirmed count on (a
-preempted sequence's dropped token is overwritten when that position is sampled again).
+the driver writes each token it samples at its position right away (provisional; under
+tensor parallelism it broadcasts them and every rank does), and a message's new token ids
+confirm positions from the sequence's confirmed count on (a preempted sequence's dropped
+token is overwritten when that position is sampled again).
 """
 from __future__ import annotations
 
@@ -142,6 +143,23 @@ class ModelRunner:
         self.requests.clear()
         self.seqs.clear()
 
+    def _keep_provisional(self, rows: list[SampleRow], result: ModelRunnerOutput | None) -> None:
+        """Every rank keeps the driver's tokens: under tensor parallelism the other ranks embed
+        them next step too, so the driver broadcasts them (one small collective per step)."""
+        tp = self.tp_group
+        if tp is None or tp.size == 1:
+            self.keep_sampled(rows, result)
+            return
+        if tp.is_driver:
+            firsts = [result.token_ids[row.seq_id][0] for row in rows]
+            tokens = torch.tensor(firsts, dtype=torch.int64, device=self.device)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        tp.broadcast_from_driver(tokens)
+        if not tp.is_driver:
+            firsts = tokens.tolist()
+        self.keep_sampled(rows, ModelRunnerOutput(token_ids={row.seq_id: [t] for row, t in zip(rows, firsts)}))
+
     @staticmethod
     def keep_sampled(rows: list[SampleRow], result: ModelRunnerOutput) -> None:
         """Write each row's sampled token at its position (provisional until a message
@@ -249,7 +267,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)       # full vocab on the driver, None elsewhere
             if self.sampler is not None:
                 result = self.sampler(logits, rows)
-                if self.provisional_tokens:
-                    self.keep_sampled(rows, result)
+            if self.provisional_tokens:
+                self._keep_provisional(rows, result)
         self.forward_time += time.perf_counter() - t1
         return result

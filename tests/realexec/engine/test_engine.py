@@ -252,9 +252,9 @@ def test_async_scheduling_overlaps_steps(tiny):
         llm.shutdown()
 
 
-def test_async_scheduling_needs_one_worker():
-    with pytest.raises(ValueError, match="async-scheduling needs one worker"):
-        LLM(model="unused", async_scheduling=True, tensor_parallel_size=2)
+def test_async_scheduling_needs_one_pipeline_stage():
+    with pytest.raises(ValueError, match="async-scheduling overlaps the steps of one pipeline stage"):
+        LLM(model="unused", async_scheduling=True, pipeline_parallel_size=2)
 
 
 def test_async_scheduling_stop_strings_and_streaming(smol):

@@ -112,11 +112,13 @@ def test_tp2_mp_matches_tp1(mp_llm, reference):
     assert (swaps, recomputes, hits) == reference[1:]       # the same schedule, not just the same tokens
 
 
-@pytest.mark.parametrize("backend", ["uni", "mp"])
-def test_async_scheduling_matches_tp1(tiny, reference, backend):
-    """One worker, in this process (its model thread) or in a worker process of its own: the
-    workload's greedy tokens (chunks, n = 2, prefix hits, preemptions in flight) are unchanged."""
-    llm = LLM(model=tiny, distributed_executor_backend=backend, async_scheduling=True, **TIGHT)
+@pytest.mark.parametrize("backend,tp", [("uni", 1), ("mp", 1), ("mp", 2)])
+def test_async_scheduling_matches_tp1(tiny, reference, backend, tp):
+    """One worker in this process (on its model thread), one in a worker process, or two
+    tensor-parallel ranks (the driver broadcasts the tokens it samples): the workload's greedy
+    tokens (chunks, n = 2, prefix hits, preemptions in flight) are unchanged."""
+    llm = LLM(model=tiny, distributed_executor_backend=backend, tensor_parallel_size=tp, async_scheduling=True,
+              **TIGHT)
     try:
         out, swaps, recomputes, hits = run_workload(llm)
         assert out == reference[0]
