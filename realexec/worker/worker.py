@@ -246,8 +246,15 @@ class Worker:
             return
         if args.mixed_step_graphs:
             from realexec.worker.piecewise_graph import build_mixed_step_runner
-            self.runner.mixed_graph_runner = build_mixed_step_runner(
-                self.model, max_tokens=args.max_num_batched_tokens or 2048, device=self.device, capture=True)
+            try:
+                self.runner.mixed_graph_runner = build_mixed_step_runner(
+                    self.model, max_tokens=args.max_num_batched_tokens or 2048, device=self.device, capture=True)
+            except Exception as e:        # a server still starts: those steps then run eagerly
+                import warnings
+                self.runner.mixed_graph_runner = None
+                warnings.warn(f"rank {self.rank}: capturing the mixed-step piecewise graphs failed "
+                              f"({type(e).__name__}: {e}); those steps run eagerly (--no-mixed-step-graphs "
+                              f"skips the attempt)", RuntimeWarning, stacklevel=2)
         backend = args.attention_backend or "triton"
         if backend != "triton":
             return
