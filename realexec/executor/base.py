@@ -244,6 +244,7 @@ class UniprocExecutor(ExecutorBase):
     at once, so the engine schedules the next step and processes outputs while this one
     computes (torch releases the GIL inside its kernels)."""
     backend = "uni"
+    _model_thread = None        # (subclasses that run no worker, like the simulated one, have none)
 
     def _init_workers(self) -> None:
         from realexec.worker.worker import Worker
@@ -298,7 +299,7 @@ class UniprocExecutor(ExecutorBase):
         return future
 
     def shutdown(self) -> None:
-        if getattr(self, "_model_thread", None) is not None:
+        if self._model_thread is not None:
             self._model_thread.shutdown(wait=True)
 
     @property
