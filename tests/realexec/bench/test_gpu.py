@@ -61,7 +61,7 @@ def test_greedy_step_agrees_across_our_paths_and_hf_on_cpu(tiny, tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     table = json.loads(out.read_text())
-    assert set(table) == {"triton+graphs", "triton eager", "torch eager", "triton+graphs vs torch eager"}
+    assert set(table) == {"triton+graphs", "triton+graphs+async", "triton eager", "torch eager", "triton+graphs vs torch eager"}
     assert all(row == {"identical": 6, "of": 6, "mean_prefix": 1.0} for row in table.values())
 
 
