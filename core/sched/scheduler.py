@@ -32,7 +32,9 @@ beam search, and for an n > 1 request before it forked. A token N+1 computes aft
 N's token ended the sequence (EOS, a stop token) is dropped. A request in flight may
 also be preempted, always by recompute: its blocks are freed while N still writes
 them, which is safe because workers run steps in order (a later step that reuses a
-block writes it after N did), and N's token for it is dropped when N lands.
+block writes it after N did); N's token for it is kept when N lands (as vLLM's
+AsyncScheduler delivers it) and recomputed with the rest on readmission. These rules take
+vLLM 0.32's AsyncScheduler decisions step for step (tests/core/sched/test_vllm_v1.py).
 
 A step's token accounting is vLLM v1's unified view: a sequence has `num_tokens` known
 tokens, `num_computed_tokens` of them in the cache, and a step computes a slice of the
@@ -60,6 +62,7 @@ from core.sched.stop import stop_status
 __all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "ModelRunnerOutput", "StepResult"]
 
 RUNNING = RequestStatus.RUNNING
+WAITING = RequestStatus.WAITING
 
 
 class _Batch:
@@ -456,7 +459,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput, now: float, recompute: bool = False) -> None:
         """`recompute`: whatever the policy says (a request in flight: its KV is still being
-        written, and the token its batch samples will be dropped)."""
+        written; the token its batch samples is kept when the batch lands)."""
         self.running.remove(request)
         self.num_preemptions += 1
         request.metrics.num_preemptions += 1
@@ -563,6 +566,9 @@ class Scheduler:
         kv, bs = self.kv, self.cache_config.block_size
         waiting = self.waiting
         seats = self.config.max_num_seqs - seated
+        # (Async scheduling: a request preempted while its batch flew is never readmitted before
+        # that batch lands and delivers its token, which vLLM's scheduler has to check for:
+        # a step that preempts admits nothing, and by the next one that batch has landed.)
         while len(waiting) and budget > 0:
             request = waiting.peek()
             if len(out.scheduled) + len(request.seqs) > seats:
@@ -614,7 +620,11 @@ class Scheduler:
                 continue
             seq = s.seq
             request = seq.request
-            if request.status is not RUNNING or seq.status is not RUNNING:
+            if (request.status is not RUNNING or seq.status is not RUNNING) and not (
+                    self._async and request.status is WAITING and seq.status is WAITING and num_samples == 1
+                    and not request.params.beam_width):
+                # (async scheduling keeps the token of a request preempted while this batch
+                # flew, as vLLM does: it is recomputed with it when readmitted)
                 continue
             params = request.params
             if params.beam_width:
@@ -663,7 +673,10 @@ class Scheduler:
             m.token_times.append(now)
             m.last_token_time = now
             if not request.seqs and not request.is_finished:
-                self._finish_request(request, request.finished_seqs[-1].status)
+                if request.status is WAITING:          # (a kept token ended a preempted request)
+                    self._leave(request, request.finished_seqs[-1].status)
+                else:
+                    self._finish_request(request, request.finished_seqs[-1].status)
         return StepResult(updated=updated, finished=self._end_step(now))
 
     def _land(self, out: SchedulerOutput) -> None:

@@ -19,6 +19,7 @@ splits the logged wall time into CPU, waiting for a core and blocked.
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from core import CacheConfig, EngineCore, Request, SamplingParams, Scheduler, SchedulerConfig
@@ -59,6 +60,11 @@ class _Tap:
         self.times.append(self.inner.step_time(out))
         return self.inner.execute_model(out)
 
+    def execute_model_async(self, out) -> Future:
+        future: Future = Future()
+        future.set_result(self.execute_model(out))
+        return future
+
 
 def _parse(path: str) -> tuple[dict, list[dict], list[dict], dict[str, dict]]:
     """The log's records, checked to be what replay covers."""
@@ -95,14 +101,19 @@ def replay(path: str, cost_model=None, scheduler: str | None = None) -> ReplayRe
     executor = SimExecutor(cost_model, block_bytes=1)
     tap = _Tap(executor, scheduler)
     clock = [0.0]
-    core = EngineCore(scheduler, tap, clock=lambda: clock[0])
+    # Async scheduling (a log of an engine that schedules step N+1 while N computes): two
+    # batches in flight, and a request's "step" counts the batches scheduled before it came,
+    # so arrivals are added before each schedule() call rather than before each core step.
+    is_async = sched_cfg.async_scheduling
+    core = EngineCore(scheduler, tap, clock=lambda: clock[0], max_concurrent_batches=2 if is_async else 1)
+    next_arrival = [0]
+    n_arrivals = len(arrivals)
 
-    ai, n_arrivals = 0, len(arrivals)
-    stalled = 0
-    limit = len(steps) + 1
-    while ai < n_arrivals or scheduler.has_unfinished_requests():
+    def add_arrivals() -> None:
         executed = len(tap.decisions)
-        while ai < n_arrivals and arrivals[ai]["step"] <= executed:
+        landed = executed - core.num_in_flight      # (an async log's arrival also says how many landed)
+        ai = next_arrival[0]
+        while ai < n_arrivals and arrivals[ai]["step"] <= executed and arrivals[ai].get("landed", -1) <= landed:
             a = arrivals[ai]
             n_out = finishes[a["req_id"]]["num_output_tokens"]
             params = SamplingParams(max_tokens=max(1, n_out), ignore_eos=True)
@@ -110,7 +121,24 @@ def replay(path: str, cost_model=None, scheduler: str | None = None) -> ReplayRe
                           priority=a.get("priority", 0), eos_token_id=SIM_EOS_TOKEN_ID)
             core.add_request(req)
             ai += 1
-        if not scheduler.has_unfinished_requests():
+        next_arrival[0] = ai
+
+    if is_async:
+        schedule = scheduler.schedule
+
+        def schedule_after_arrivals(now=0.0):
+            add_arrivals()
+            return schedule(now)
+
+        scheduler.schedule = schedule_after_arrivals
+
+    stalled = 0
+    limit = len(steps) + 1
+    while next_arrival[0] < n_arrivals or scheduler.has_unfinished_requests() or core.num_in_flight:
+        executed = len(tap.decisions)
+        add_arrivals()
+        ai = next_arrival[0]
+        if not scheduler.has_unfinished_requests() and not core.num_in_flight:
             if ai < n_arrivals:          # nothing runnable yet the log says no step ran in between
                 raise ValueError(f"{path}: request {arrivals[ai]['req_id']} arrives before step "
                                  f"{arrivals[ai]['step']} but only {executed} steps ran and the engine was idle")

@@ -256,6 +256,45 @@ def test_an_aborted_request_preempted_in_flight_leaves_the_queue_when_its_batch_
     assert sched.kv.gpu.num_used == 0
 
 
+def test_a_victim_preempted_in_flight_keeps_the_token_its_batch_samples():
+    # vLLM's AsyncScheduler delivers it too: the readmitted request recomputes with it.
+    engine, sched, ex = make(max_num_batched_tokens=64, num_gpu_blocks=2, watermark=0.0, max_model_len=8)
+    a = add(engine, "a", [1, 2, 3, 4], max_tokens=3)
+    b = add(engine, "b", [5, 6, 7, 8], max_tokens=3)
+    first = sched.schedule(0.0)
+    landed = ex.execute_model_async(first)
+    second = sched.schedule(1.0)                   # a's decode needs a block: b, in flight, is the victim
+    assert second.preempted == [b]
+    pending = ex.execute_model_async(second)
+    sched.update(first, landed.result(), 2.0)
+    assert b.status is RequestStatus.WAITING and b in list(sched.waiting)
+    assert b.seqs[0].token_ids == [5, 6, 7, 8, expected(b)[0][0]] and b.seqs[0].num_computed_tokens == 0
+    sched.update(second, pending.result(), 3.0)
+    engine.run_until_done(30)
+    for r in (a, b):
+        assert r.finished_seqs[0].output_token_ids == expected(r)[0]
+    assert slices(ex, b)[1] == (0, 5)              # readmitted: the prompt and the kept token
+    assert sched.kv.gpu.num_used == 0
+
+
+def test_a_kept_token_that_ends_a_preempted_request_takes_it_out_of_the_queue():
+    engine, sched, ex = make(max_num_batched_tokens=64, num_gpu_blocks=2, watermark=0.0, max_model_len=8)
+    a = add(engine, "a", [1, 2, 3, 4], max_tokens=3)
+    b = add(engine, "b", [5, 6, 7, 8], max_tokens=1)
+    first = sched.schedule(0.0)
+    landed = ex.execute_model_async(first)
+    second = sched.schedule(1.0)
+    assert second.preempted == [b]
+    pending = ex.execute_model_async(second)
+    done = sched.update(first, landed.result(), 2.0).finished
+    assert b in done and b.status is RequestStatus.FINISHED_LENGTH
+    assert b.finished_seqs[0].output_token_ids == expected(b)[0]
+    assert b not in list(sched.waiting) and sched.num_waiting == 0
+    sched.update(second, pending.result(), 3.0)
+    engine.run_until_done(30)
+    assert a.finished_seqs[0].output_token_ids == expected(a)[0] and sched.kv.gpu.num_used == 0
+
+
 def test_the_worker_confirms_provisional_tokens_in_place():
     runner = ModelRunner(None, "cpu", BS, None, provisional_tokens=True)
     runner.update_states(StepMessage(new_requests=[NewRequest("r", params_to_plain(SamplingParams()), None)],
