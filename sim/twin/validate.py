@@ -248,6 +248,7 @@ def sim_config_from_log(config: dict, cost_model: str, jitter_seed: int | None =
                      queue_policy=p["queue"], preemption_mode=p["preemption"], victim_policy=p["victim"],
                      eviction_policy=p["eviction"],
                      scheduler=p.get("scheduler", "twinserve"),
+                     async_scheduling=bool(s.get("async_scheduling", False)),   # (an async engine's log)
                      cost_model=cost_model, jitter_seed=jitter_seed)
 
 

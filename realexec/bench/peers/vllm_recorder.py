@@ -100,7 +100,8 @@ class Recorder:
         self.on = live_path is not None
         self.records: list[dict] = []
         self.scheduler = None
-        self.step = 0
+        self.step = 0                          # steps updated (landed) while recording
+        self.scheduled = 0                     # steps scheduled while recording (more under async scheduling)
         self._pending: dict[int, tuple] = {}   # id(SchedulerOutput) -> the step scheduled, not yet updated
         self._preempted: list[str] = []
         # live mode (`vllm serve`, killed at the end): every record is written and flushed as
@@ -133,7 +134,10 @@ class Recorder:
                 t = rec.now()
                 waited = max(0.0, time.time() - request.arrival_time)   # arrival_time: epoch seconds
                 sp = request.sampling_params
-                rec.emit({"kind": "arrival", "req_id": request.request_id, "step": rec.step, "t": t,
+                # step / landed: batches scheduled / updated before it came (they differ under
+                # async scheduling, where a step is scheduled before the previous one lands)
+                rec.emit({"kind": "arrival", "req_id": request.request_id, "step": rec.scheduled,
+                                    "landed": rec.step, "t": t,
                                     "t_arrival": max(0.0, t - waited),
                                     "prompt_token_ids": list(request.prompt_token_ids),
                                     "max_tokens": sp.max_tokens if sp is not None else None})
@@ -158,6 +162,7 @@ class Recorder:
                 rec._pending[id(so)] = (so, t_start, rec.now(),
                                         step_decision(so, num_tokens, blocks, rec._preempted, used),
                                         step_extra(so, free))
+                rec.scheduled += 1
             return so
 
         def update_from_output(self, scheduler_output, *a, **kw):
@@ -203,7 +208,8 @@ class Recorder:
                 "scheduler": {"max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
                               "max_model_len": getattr(sc, "max_model_len", None)
                               or s.vllm_config.model_config.max_model_len,
-                              "enable_chunked_prefill": bool(sc.enable_chunked_prefill)},
+                              "enable_chunked_prefill": bool(sc.enable_chunked_prefill),
+                              **({"async_scheduling": True} if getattr(sc, "async_scheduling", False) else {})},
                 "cache": {"block_size": cc.block_size, "num_gpu_blocks": num_blocks - 1, "num_cpu_blocks": 0,
                           "enable_prefix_caching": bool(cc.enable_prefix_caching), "watermark": 0.0},
                 "policies": {"queue": "fcfs", "preemption": "recompute", "victim": "tail", "eviction": "lru",

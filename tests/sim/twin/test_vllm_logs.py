@@ -208,6 +208,31 @@ def test_config_record_and_written_log_load_as_a_step_log(tmp_path):
         [r for r in rec.records if r["kind"] == "step"])
 
 
+def test_recorder_places_an_arrival_between_a_schedule_and_an_update(tmp_path):
+    """Under async scheduling vLLM schedules a step before the previous one lands: an arrival
+    then records the batches scheduled and those landed, and the config says async."""
+    cls = type("PatchedScheduler", (FakeScheduler,), {})
+    rec = vr.Recorder()
+    rec.install(cls)
+    s = cls()
+    rec.on = True
+    s.add_request(FakeRequest("x", [1] * 10, 3))
+    first = s.schedule()                        # x's first 6 prompt tokens
+    second = s.schedule()                       # its last 4, before the first step lands
+    s.add_request(FakeRequest("y", [2] * 3, 1))
+    s.update_from_output(first, None)
+    s.update_from_output(second, None)
+    arrivals = {r["req_id"]: r for r in rec.records if r["kind"] == "arrival"}
+    assert (arrivals["x"]["step"], arrivals["x"]["landed"]) == (0, 0)
+    assert (arrivals["y"]["step"], arrivals["y"]["landed"]) == (2, 0)
+    assert [r["step"] for r in rec.records if r["kind"] == "step"] == [0, 1]
+    rec.scheduler.scheduler_config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=6, max_model_len=64,
+                                                     enable_chunked_prefill=True, async_scheduling=True)
+    rec.scheduler.cache_config = SimpleNamespace(block_size=4, enable_prefix_caching=False)
+    cfg = rec.config_record("0.32.0", ["python", "rec.py"], "/m")
+    assert cfg["scheduler"]["async_scheduling"] is True and cfg["vllm"]["async_scheduling"] is True
+
+
 # ----------------------------------------------------------------------------- the committed recordings
 
 def fixture(path: Path):
@@ -387,8 +412,11 @@ def test_validate_simulates_a_vllm_log_with_the_vllm_v1_rules():
     policies = {"queue": "fcfs", "preemption": "recompute", "victim": "tail", "eviction": "lru",
                 "scheduler": "vllm-v1"}
     sc = sim_config_from_log({**config, "policies": policies}, "cost.json")
-    assert sc.scheduler == "vllm-v1"
+    assert sc.scheduler == "vllm-v1" and sc.async_scheduling is False
     assert (sc.num_gpu_blocks, sc.block_size) == (config["cache"]["num_gpu_blocks"], config["cache"]["block_size"])
+    # a log of an engine scheduling asynchronously (vLLM's default on GPUs) is simulated so
+    asynchronous = {**config, "policies": policies, "scheduler": {**config["scheduler"], "async_scheduling": True}}
+    assert sim_config_from_log(asynchronous, "cost.json").async_scheduling is True
 
 
 def test_vllm_serve_command_keeps_host_and_port_its_own():
