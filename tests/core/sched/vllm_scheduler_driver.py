@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import deque
 
 SAMPLED_TOKEN = 7
 
@@ -88,15 +89,12 @@ def run(scenario: dict, model: str, out) -> None:
                         "max_num_batched_tokens": scenario["max_num_batched_tokens"],
                         "max_model_len": scenario["max_model_len"], "enable_chunked_prefill": True,
                         "long_prefill_token_threshold": scenario.get("long_prefill_token_threshold", 0),
-                        "async_scheduling": bool(scenario.get("async_scheduling", False))},
+                        **({"async_scheduling": True} if scenario.get("async_scheduling") else {})},
           "cache": {"block_size": scenario["block_size"], "num_gpu_blocks": usable, "num_cpu_blocks": 0,
                     "enable_prefix_caching": scenario.get("enable_prefix_caching", True), "watermark": 0.0},
           "policies": {"queue": scenario.get("policy", "fcfs"), "preemption": "recompute", "eviction": "lru",
                        "scheduler": "vllm-v1"}})
     pending = sorted(scenario["requests"], key=lambda r: r["step"])
-    outputs: dict[str, int] = {}
-    executed = 0
-    t = 0.0
     preempted: list[str] = []              # this step's victims, in preemption order
     inner = scheduler._preempt_request
 
@@ -105,53 +103,54 @@ def run(scenario: dict, model: str, out) -> None:
         return inner(request, *args, **kwargs)
 
     scheduler._preempt_request = preempt
-    if scenario.get("async_scheduling"):
-        return _run_async(scenario, scheduler, kv, usable, pending, emit, preempted, hasher)
-    while pending or scheduler.has_unfinished_requests():
-        if pending and not scheduler.has_unfinished_requests() and pending[0]["step"] > executed:
-            pending[0] = dict(pending[0], step=executed)     # an idle engine takes the next arrival now
-        while pending and pending[0]["step"] <= executed:
+    is_async = bool(scenario.get("async_scheduling"))
+    depth = 2 if is_async else 1             # batches in flight (vLLM's batch queue)
+    flying: deque = deque()                  # (SchedulerOutput, ids that sample), oldest first
+    outputs: dict[str, int] = {}             # tokens each request got, arrival order
+    finished: set[str] = set()
+    scheduled = 0                            # batches scheduled (a request's "step" counts these)
+    t = 0.0
+    while pending or scheduler.has_unfinished_requests() or flying:
+        if pending and not scheduler.has_unfinished_requests() and not flying and pending[0]["step"] > scheduled:
+            pending[0] = dict(pending[0], step=scheduled)    # an idle engine takes the next arrival now
+        while pending and pending[0]["step"] <= scheduled:
             r = pending.pop(0)
             params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)
-            req = Request(r["id"], list(r["prompt"]), params, None, arrival_time=t + len(outputs) * 1e-6,
-                          priority=r.get("priority", 0), block_hasher=hasher)
-            scheduler.add_request(req)
+            scheduler.add_request(Request(r["id"], list(r["prompt"]), params, None,
+                                          arrival_time=t + len(outputs) * 1e-6, priority=r.get("priority", 0),
+                                          block_hasher=hasher))
             outputs[r["id"]] = 0
-            emit({"kind": "arrival", "req_id": r["id"], "step": executed, "t": t,
+            landed = {"landed": scheduled - len(flying)} if is_async else {}
+            emit({"kind": "arrival", "req_id": r["id"], "step": scheduled, **landed, "t": t,
                   "prompt_token_ids": list(r["prompt"]), "max_tokens": r["max_tokens"],
                   "priority": r.get("priority", 0)})
-        preempted.clear()
-        so = scheduler.schedule()
-        batch, sampled_ids = [], []
-        computed_before = {}
-        for nr in so.scheduled_new_reqs:
-            computed_before[nr.req_id] = nr.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            computed_before[rid] = cached.num_computed_tokens[i]
-        for rid, n in so.num_scheduled_tokens.items():
-            req = scheduler.requests[rid]
-            start = computed_before[rid]
-            samples = 1 if start + n >= req.num_tokens else 0
-            blocks = len(kv.get_blocks(rid).blocks[0])
-            batch.append((rid, start, n, samples, blocks))
-            if samples:
-                sampled_ids.append(rid)
-        used = usable - kv.block_pool.get_num_free_blocks()
-        emit({"kind": "step", "step": executed, "t_start": t, "t_end": t + 0.001, "step_s": 0.001,
-              "decision": {"batch": [list(b) for b in batch], "preempted": list(preempted),
-                           "swap_out": 0, "swap_in": 0, "copy": 0, "used_gpu_blocks": used}})
+        if len(flying) < depth and scheduler.has_unfinished_requests():
+            preempted.clear()
+            so = scheduler.schedule()
+            if so.total_num_scheduled_tokens > 0:
+                decision, sampled_ids = _decision(scheduler, kv, usable, so, preempted)
+                emit({"kind": "step", "step": scheduled, "t_start": t, "t_end": t + 0.001, "step_s": 0.001,
+                      "decision": decision})
+                flying.append((so, sampled_ids))
+                scheduled += 1
+                t += 0.001
+                if len(flying) < depth:
+                    continue
+        if not flying:
+            if pending:
+                continue
+            raise RuntimeError("nothing scheduled and nothing in flight with requests unfinished")
+        so, sampled_ids = flying.popleft()
         req_ids = list(so.num_scheduled_tokens)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=[[SAMPLED_TOKEN] if r in sampled_ids else [] for r in req_ids])
         scheduler.update_from_output(so, mro)
         for rid in sampled_ids:
             outputs[rid] += 1
-            if rid not in scheduler.requests or scheduler.requests[rid].is_finished():
+            if rid not in finished and (rid not in scheduler.requests or scheduler.requests[rid].is_finished()):
+                finished.add(rid)
                 emit({"kind": "finish", "req_id": rid, "num_output_tokens": outputs[rid], "status": "length"})
-        executed += 1
-        t += 0.001
-        if executed > 100000:
+        if scheduled > 100000:
             raise RuntimeError("scenario does not drain")
 
 
@@ -174,64 +173,6 @@ def _decision(scheduler, kv, usable, so, preempted):
     used = usable - kv.block_pool.get_num_free_blocks()
     return {"batch": [list(b) for b in batch], "preempted": list(preempted), "swap_out": 0, "swap_in": 0,
             "copy": 0, "used_gpu_blocks": used}, sampled_ids
-
-
-def _run_async(scenario, scheduler, kv, usable, pending, emit, preempted, hasher) -> None:
-    from collections import deque
-
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-
-    flying: deque = deque()              # (SchedulerOutput, ids that sample), oldest first
-    outputs: dict[str, int] = {}
-    scheduled = 0                        # batches scheduled (a request's "step" counts these)
-    t = 0.0
-    while pending or scheduler.has_unfinished_requests() or flying:
-        if pending and not scheduler.has_unfinished_requests() and not flying and pending[0]["step"] > scheduled:
-            pending[0] = dict(pending[0], step=scheduled)    # an idle engine takes the next arrival now
-        while pending and pending[0]["step"] <= scheduled:
-            r = pending.pop(0)
-            params = SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0.0)
-            scheduler.add_request(Request(r["id"], list(r["prompt"]), params, None,
-                                          arrival_time=t + len(outputs) * 1e-6, priority=r.get("priority", 0),
-                                          block_hasher=hasher))
-            outputs[r["id"]] = 0
-            emit({"kind": "arrival", "req_id": r["id"], "step": scheduled, "landed": scheduled - len(flying),
-                  "t": t, "prompt_token_ids": list(r["prompt"]), "max_tokens": r["max_tokens"],
-                  "priority": r.get("priority", 0)})
-        if len(flying) < 2 and scheduler.has_unfinished_requests():
-            preempted.clear()
-            so = scheduler.schedule()
-            if so.total_num_scheduled_tokens > 0:
-                decision, sampled_ids = _decision(scheduler, kv, usable, so, preempted)
-                emit({"kind": "step", "step": scheduled, "t_start": t, "t_end": t + 0.001, "step_s": 0.001,
-                      "decision": decision})
-                flying.append((so, sampled_ids))
-                scheduled += 1
-                t += 0.001
-                if len(flying) < 2:
-                    continue
-        if not flying:
-            if pending:
-                continue
-            raise RuntimeError("nothing scheduled and nothing in flight with requests unfinished")
-        so, sampled_ids = flying.popleft()
-        req_ids = list(so.num_scheduled_tokens)
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=[[SAMPLED_TOKEN] if r in sampled_ids else [] for r in req_ids])
-        scheduler.update_from_output(so, mro)
-        for rid in sampled_ids:
-            if rid in outputs and (rid not in scheduler.requests or scheduler.requests[rid].is_finished()):
-                emit({"kind": "finish", "req_id": rid, "num_output_tokens": scenario_max(scenario, rid),
-                      "status": "length"})
-                del outputs[rid]
-        if scheduled > 100000:
-            raise RuntimeError("scenario does not drain")
-
-
-def scenario_max(scenario: dict, rid: str) -> int:
-    return next(r["max_tokens"] for r in scenario["requests"] if r["id"] == rid)
 
 
 def main(argv=None) -> int:
