@@ -26,7 +26,7 @@ from concurrent.futures import Future
 
 import simpy
 
-from core import EngineCore, SchedulerOutput
+from core import SchedulerOutput
 from sim.cluster.pipeline_parallel import PipelineSimEngine, batch_shape
 from sim.engine import ResolvedConfig, SimEngine, SimResult
 from sim.executor import SimExecutor
@@ -46,12 +46,18 @@ class AsyncSchedulingExecutor(SimExecutor):
         self.done: deque[simpy.Event] = deque()    # per batch in flight, oldest first
 
     def split(self, out: SchedulerOutput) -> tuple[float, float]:
-        """(host, device) seconds of a step: its step time, the host's share first."""
-        total = self.step_time(out)
-        host = 0.0
-        if out.scheduled and self._host_time is not None:
-            host = min(total, self._host_time(batch_shape(out)))
-        return host, total - host
+        """(host, device) seconds of a step: its step time, the host's share first (swaps on
+        the device)."""
+        host = device = 0.0
+        if out.scheduled:
+            shape = batch_shape(out)
+            device = self._step_time(shape)
+            if self._host_time is not None:
+                host = min(device, self._host_time(shape))
+                device -= host
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            device += self._swaps(out)
+        return host, device
 
     def execute_model_async(self, out: SchedulerOutput) -> Future:
         host, device = self.split(out)
@@ -72,15 +78,8 @@ class AsyncSimEngine(PipelineSimEngine):
 
     def __init__(self, resolved: ResolvedConfig, trace, *, progress: bool = False):
         SimEngine.__init__(self, resolved, trace, progress=progress)
-        fast = self.executor.fast_tokens
-        self.executor = AsyncSchedulingExecutor(self.executor.cost_model, resolved.block_bytes, self.env,
-                                                seed=resolved.config.seed)
-        self.executor.fast_tokens = fast
-        self.event_skipping = False
-        self.max_batches = 2
-        self.core = EngineCore(self.scheduler, self.executor, clock=lambda: self.clock, max_concurrent_batches=2)
-        self._mark = 0.0
-        self._w_in_flight = 0.0
+        self._queue_batches(AsyncSchedulingExecutor(self.executor.cost_model, resolved.block_bytes, self.env,
+                                                    seed=resolved.config.seed), 2)
 
     def build_result(self, records, requested_output_lens) -> SimResult:
         result = SimEngine.build_result(self, records, requested_output_lens)

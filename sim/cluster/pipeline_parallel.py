@@ -108,14 +108,18 @@ class PipelineSimEngine(SimEngine):
         cfg = resolved.config
         self.layout = PipelineLayout.of(resolved.model, resolved.hardware, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.pp_layer_partition,
                                         cfg.pp_link_bandwidth)
-        fast = self.executor.fast_tokens
-        self.executor = PipelineExecutor(PipelineCostModel(resolved.model, resolved.hardware, self.layout),
-                                         resolved.block_bytes, self.env, seed=cfg.seed)
-        self.executor.fast_tokens = fast
+        self._queue_batches(PipelineExecutor(PipelineCostModel(resolved.model, resolved.hardware, self.layout),
+                                             resolved.block_bytes, self.env, seed=cfg.seed),
+                            max_batches_in_flight or self.layout.pp)
+
+    def _queue_batches(self, executor, max_batches: int) -> None:
+        """Run `executor` (an `execute_model_async` whose `done` events the loop waits on)
+        with up to `max_batches` batches in flight, every step one by one."""
+        executor.fast_tokens = self.executor.fast_tokens
+        self.executor = executor
         self.event_skipping = False
-        self.max_batches = max_batches_in_flight or self.layout.pp
-        self.core = EngineCore(self.scheduler, self.executor, clock=lambda: self.clock,
-                               max_concurrent_batches=self.max_batches)
+        self.max_batches = max_batches
+        self.core = EngineCore(self.scheduler, executor, clock=lambda: self.clock, max_concurrent_batches=max_batches)
         self._mark = 0.0              # start of the interval not yet accounted
         self._w_in_flight = 0.0       # time integral of batches in flight
 
