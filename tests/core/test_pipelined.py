@@ -14,8 +14,8 @@ from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestSta
 from core.config import pipeline_stage_layers
 from core.kv.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from policies import PolicySet
-from tests.core.sched.test_scheduler import EOS, MAX_MODEL_LEN, SETUP, SchedulerMachine
-from tests.core.toy_executor import VOCAB, AsyncToyExecutor, ToyExecutor, reference_outputs
+from tests.core.sched.test_scheduler import SETUP, InFlightRules, SchedulerMachine
+from tests.core.toy_executor import AsyncToyExecutor, ToyExecutor, reference_outputs
 
 
 def make(pp=2, batches=None, threaded=False, **kw):
@@ -224,7 +224,7 @@ def test_stage_layers_and_pipeline_kv_capacity():
 
 # -- the scheduler machine with batches in flight ---------------------------------------------
 
-class PipelinedSchedulerMachine(SchedulerMachine):
+class PipelinedSchedulerMachine(InFlightRules, SchedulerMachine):
     """SchedulerMachine's load, budgets, FCFS, liveness and output equality (every request
     ends with exactly the tokens of an unpreempted one-batch-at-a-time run), with up to
     P = 2 or 3 batches in flight: rules schedule a new batch or update the oldest in any
@@ -252,15 +252,6 @@ class PipelinedSchedulerMachine(SchedulerMachine):
         self.engine.clock = lambda: float(next(ticks))
 
     step = None                          # replaced by the rules below
-
-    @rule(prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=30), min_size=2, max_size=4),
-          max_tokens=st.integers(1, 6))
-    def add_burst(self, prompts, max_tokens):
-        """Several requests at once: enough separate work for more than P batches (so an
-        engine that overfills its batch queue is caught)."""
-        for prompt in prompts:
-            self.add_request(prompt=prompt, max_tokens=max_tokens, n=1, beam=0, priority=0, ignore_eos=True,
-                             shared=False)
 
     @rule()
     def engine_step(self):
@@ -316,17 +307,6 @@ class PipelinedSchedulerMachine(SchedulerMachine):
         result = ToyExecutor().execute_model(out)
         self.finished.extend(self.sched.update(out, result, self.engine.clock()).finished)
 
-    @rule(data=st.data())
-    def stop_string(self, data):
-        """A detokenizer's stop-string match finishes one live sequence from outside; in
-        flight, that waits for its batch's update."""
-        live = [seq for r in self.sched.running if not r.params.beam_width for seq in r.seqs]
-        if not live:
-            return
-        seq = data.draw(st.sampled_from(live))
-        self.sched.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, "stop string")
-        self.stopped.add(seq.request.request_id)
-
     @invariant()
     def in_flight_requests_are_untouched(self):
         if not hasattr(self, "flight"):
@@ -355,16 +335,7 @@ class PipelinedSchedulerMachine(SchedulerMachine):
             self.update_oldest()
         SchedulerMachine.teardown(self)
         assert self.executor.max_in_flight <= self.pp
-        for req in self.finished:
-            if req.request_id not in self.stopped or req.request_id in self.aborted:
-                continue
-            # Every sample stopped early or ran to its end: a prefix of an unpreempted run's output.
-            p = req.params
-            refs = reference_outputs(req.prompt_token_ids, p.max_tokens, p.n, EOS, p.ignore_eos, MAX_MODEL_LEN)
-            assert req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-            for seq in req.finished_seqs:
-                out = seq.output_token_ids
-                assert any(ref[:len(out)] == out for ref in refs), f"{req.request_id}: {out} not a prefix of {refs}"
+        self.check_stopped_outputs()
 
 
 TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase

@@ -247,6 +247,44 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
+class InFlightRules:
+    """Rules for SchedulerMachine subclasses with batches in flight (pipelined, async): bursts
+    of requests, and stop strings applied from outside while batches fly."""
+
+    @rule(prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=30), min_size=2, max_size=4),
+          max_tokens=st.integers(1, 12))
+    def add_burst(self, prompts, max_tokens):
+        """Several requests at once: enough separate work for more batches than may fly (an
+        engine that overfills its batch queue is caught), and load to preempt requests in flight."""
+        for prompt in prompts:
+            self.add_request(prompt=prompt, max_tokens=max_tokens, n=1, beam=0, priority=0, ignore_eos=True,
+                             shared=False)
+
+    @rule(data=st.data())
+    def stop_string(self, data):
+        """A detokenizer's stop-string match finishes one live sequence from outside; in
+        flight, that waits for its batch's update."""
+        live = [seq for r in self.sched.running if not r.params.beam_width for seq in r.seqs]
+        if not live:
+            return
+        seq = data.draw(st.sampled_from(live))
+        self.sched.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, "stop string")
+        self.stopped.add(seq.request.request_id)
+
+    def check_stopped_outputs(self) -> None:
+        """Every sample of a request stopped from outside stopped early or ran to its end: a
+        prefix of an unpreempted run's output."""
+        for req in self.finished:
+            if req.request_id not in self.stopped or req.request_id in self.aborted:
+                continue
+            p = req.params
+            refs = reference_outputs(req.prompt_token_ids, p.max_tokens, p.n, EOS, p.ignore_eos, MAX_MODEL_LEN)
+            assert req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            for seq in req.finished_seqs:
+                out = seq.output_token_ids
+                assert any(ref[:len(out)] == out for ref in refs), f"{req.request_id}: {out} not a prefix of {refs}"
+
+
 # -- targeted behaviour ---------------------------------------------------------------------
 
 def make_engine(**kw):

@@ -269,15 +269,7 @@ def test_async_scheduling_stop_strings_and_streaming(smol):
         assert out.text == base.text[:idx] and (out.finish_reason, out.stop_reason) == ("stop", stop)
         assert base.token_ids[:len(out.token_ids)] == out.token_ids
         engine = llm.engine
-        rid = engine.add_request(engine.encode_chat(conv), SamplingParams(temperature=0.0, max_tokens=24))
-        text, tokens, final = "", [], None
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                assert o.request_id == rid
-                text += o.outputs[0].text_delta
-                tokens += o.outputs[0].token_ids_delta
-                final = o
-        assert final.finished and text == final.outputs[0].text and tokens == final.outputs[0].token_ids
+        text, tokens = stream_deltas(engine, engine.encode_chat(conv), SamplingParams(temperature=0.0, max_tokens=24))
         assert tokens == base.token_ids[:24]
     finally:
         llm.shutdown()
@@ -406,10 +398,9 @@ def test_stop_strings_truncate(smol):
     assert incl.text == base.text[:idx + len(stop)]
 
 
-def test_streaming_deltas_add_up(smol):
-    engine = smol.engine
-    ids = engine.encode_chat([{"role": "user", "content": "Name three colors."}])
-    rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=24, stop=["@@"]))
+def stream_deltas(engine, prompt_ids, params) -> tuple[str, list[int]]:
+    """Step one request to its end; its text and token deltas must add up to its final output."""
+    rid = engine.add_request(prompt_ids, params)
     text, tokens, final = "", [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -418,6 +409,13 @@ def test_streaming_deltas_add_up(smol):
             tokens += out.outputs[0].token_ids_delta
             final = out
     assert final.finished and text == final.outputs[0].text and tokens == final.outputs[0].token_ids
+    return text, tokens
+
+
+def test_streaming_deltas_add_up(smol):
+    engine = smol.engine
+    ids = engine.encode_chat([{"role": "user", "content": "Name three colors."}])
+    text, _ = stream_deltas(engine, ids, SamplingParams(temperature=0.0, max_tokens=24, stop=["@@"]))
     assert text.strip()
 
 
