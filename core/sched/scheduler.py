@@ -165,16 +165,17 @@ class Scheduler:
             actions.append(None)
             return True
         self._leave(request, RequestStatus.FINISHED_ABORTED)
+        self._prune_running()
         return True
 
     def _leave(self, request: Request, status: RequestStatus) -> None:
-        """Finish `request` wherever it is: out of the waiting or swapped queue, or running."""
+        """Finish `request` wherever it is: out of the waiting or swapped queue, or running
+        (the running list is pruned by the caller: once per step in update())."""
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
         self._finish_request(request, status)
-        self._prune_running()
 
     def finish_sequence(self, seq: Sequence, status: RequestStatus, detail: str | None = None) -> None:
         """Finish one sequence from outside (e.g. a stop string found by a detokenizer)."""
@@ -191,6 +192,7 @@ class Scheduler:
         if not request.seqs:
             # (a request preempted while in flight may be back in the queue when this applies)
             self._leave(request, status)
+            self._prune_running()
 
     def _finish_seq(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
@@ -673,10 +675,8 @@ class Scheduler:
             m.token_times.append(now)
             m.last_token_time = now
             if not request.seqs and not request.is_finished:
-                if request.status is WAITING:          # (a kept token ended a preempted request)
-                    self._leave(request, request.finished_seqs[-1].status)
-                else:
-                    self._finish_request(request, request.finished_seqs[-1].status)
+                # (running, or waiting: a token kept for a request preempted in flight ended it)
+                self._leave(request, request.finished_seqs[-1].status)
         return StepResult(updated=updated, finished=self._end_step(now))
 
     def _land(self, out: SchedulerOutput) -> None:

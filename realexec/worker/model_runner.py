@@ -24,8 +24,9 @@ Token ids are addressed by position. Under async scheduling (`provisional_tokens
 may decode the token the step before it sampled, which the engine has not confirmed yet:
 the driver writes each token it samples at its position right away (provisional; under
 tensor parallelism it broadcasts them and every rank does), and a message's new token ids
-confirm positions from the sequence's confirmed count on (a preempted sequence's dropped
-token is overwritten when that position is sampled again).
+confirm positions from the sequence's confirmed count on. A provisional token the engine
+drops (the samples of an n > 1 request preempted before it forked) is cut before that
+position is sampled again.
 """
 from __future__ import annotations
 
@@ -146,28 +147,21 @@ class ModelRunner:
     def _keep_provisional(self, rows: list[SampleRow], result: ModelRunnerOutput | None) -> None:
         """Every rank keeps the driver's tokens: under tensor parallelism the other ranks embed
         them next step too, so the driver broadcasts them (one small collective per step)."""
+        firsts = [result.token_ids[row.seq_id][0] for row in rows] if result is not None else None
         tp = self.tp_group
-        if tp is None or tp.size == 1:
-            self.keep_sampled(rows, result)
-            return
-        if tp.is_driver:
-            firsts = [result.token_ids[row.seq_id][0] for row in rows]
-            tokens = torch.tensor(firsts, dtype=torch.int64, device=self.device)
-        else:
-            tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
-        tp.broadcast_from_driver(tokens)
-        if not tp.is_driver:
-            firsts = tokens.tolist()
-        self.keep_sampled(rows, ModelRunnerOutput(token_ids={row.seq_id: [t] for row, t in zip(rows, firsts)}))
+        if tp is not None and tp.size > 1:
+            tokens = (torch.tensor(firsts, dtype=torch.int64, device=self.device) if tp.is_driver
+                      else torch.empty(len(rows), dtype=torch.int64, device=self.device))
+            firsts = tp.broadcast_from_driver(tokens).tolist()
+        self.keep_sampled(rows, firsts)
 
     @staticmethod
-    def keep_sampled(rows: list[SampleRow], result: ModelRunnerOutput) -> None:
+    def keep_sampled(rows: list[SampleRow], tokens: list[int]) -> None:
         """Write each row's sampled token at its position (provisional until a message
         confirms it; for n > 1 and beams the first sample, which the engine's update keeps
         for that sequence or overwrites by the next message)."""
-        sampled = result.token_ids
-        for row in rows:
-            row.seq.token_ids[row.end:] = sampled[row.seq.seq_id][:1]
+        for row, token in zip(rows, tokens):
+            row.seq.token_ids[row.end:] = [token]
 
     # -- one step ------------------------------------------------------------------------
     def prepare_inputs(self, msg: StepMessage):
@@ -204,7 +198,7 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
                 samplers.append(SampleRow(seq, k, end))
                 if len(seq.token_ids) > end:
-                    del seq.token_ids[end:]       # a dropped provisional token: not history
+                    del seq.token_ids[end:]       # a provisional token the engine dropped: not history
         flat_tables = []
         for t in tables:
             flat_tables.extend(t)

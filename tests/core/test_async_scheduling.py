@@ -102,7 +102,7 @@ class KVCheckingExecutor:
                 tokens[row.seq_id] = [next_token(history, j) for j in range(k)]
                 logprobs[row.seq_id] = [-1.0] * k
         result = ModelRunnerOutput(token_ids=tokens, logprobs=logprobs)
-        runner.keep_sampled(rows, result)
+        runner.keep_sampled(rows, [tokens[row.seq_id][0] for row in rows])
         return result
 
 
