@@ -25,6 +25,8 @@ import json
 from typing import IO, Iterator
 
 LOG_FORMAT = "twinserve-step-log"
+# A gap between two of vLLM's steps over this long is the engine sitting idle, not its loop.
+MAX_LOOP_GAP_S = 1.0
 
 
 def step_decision(out, kv) -> dict:
@@ -101,6 +103,59 @@ def sample_times(steps: list[dict]) -> dict[str, list[float]]:
             if samples:
                 times.setdefault(rid, []).extend([s["t_end"]] * samples)
     return times
+
+
+def drop_warmup(records: list[dict], num_requests: int) -> list[dict]:
+    """The records of a log without its first `num_requests` requests (by arrival): a
+    warm-up served and finished before the measured requests came. Their arrivals, steps
+    and finishes go; the remaining steps are renumbered from 0 (steps and the arrivals'
+    `step` / `landed` counts), times are kept. ValueError when a measured request arrived
+    before the warm-up's last step or shared a step with it."""
+    if num_requests <= 0:
+        return list(records)
+    arrivals = sorted((r for r in records if r["kind"] == "arrival"), key=lambda r: r.get("t_arrival", r["t"]))
+    if len(arrivals) <= num_requests:
+        raise ValueError(f"the log has {len(arrivals)} requests: none left after a warm-up of {num_requests}")
+    warm = {r["req_id"] for r in arrivals[:num_requests]}
+    steps = [r for r in records if r["kind"] == "step"]
+    warm_steps = [s["step"] for s in steps if any(b[0] in warm for b in s["decision"]["batch"])]
+    cut = max(warm_steps) + 1 if warm_steps else 0          # steps before this one are the warm-up's
+    for s in steps:
+        if s["step"] < cut and any(b[0] not in warm for b in s["decision"]["batch"]):
+            raise ValueError(f"step {s['step']} ran a measured request with the warm-up's")
+    for a in arrivals[num_requests:]:
+        if a["step"] < cut:
+            raise ValueError(f"request {a['req_id']} arrived before the warm-up's last step {cut - 1}")
+    out = []
+    for r in records:
+        kind = r["kind"]
+        if kind in ("arrival", "finish") and r["req_id"] in warm or kind == "step" and r["step"] < cut:
+            continue
+        if kind == "step" or kind == "arrival":
+            r = {**r, "step": r["step"] - cut}
+            if "landed" in r:
+                r["landed"] = r["landed"] - cut
+        out.append(r)
+    return out
+
+
+def is_vllm_log(config: dict) -> bool:
+    """A log of vLLM's scheduler (`bench record-vllm`, `sim validate --real vllm`)."""
+    return config.get("engine") == "vllm"
+
+
+def loop_step_seconds(steps: list[dict]) -> list[tuple[dict, float]]:
+    """(step, seconds) for a vLLM log: the step's schedule-to-update time plus the gap until
+    the next step's schedule() (the engine core's output processing and hand-off to its
+    front end: not zero, and a cost model of vLLM prices it as the step's overhead). The
+    last step has no next one and is left out; so is a step followed by a gap over
+    MAX_LOOP_GAP_S (the engine sat idle) or a negative one."""
+    out = []
+    for rec, nxt in zip(steps, steps[1:]):
+        gap = nxt["t_start"] - rec["t_end"]
+        if 0 <= gap <= MAX_LOOP_GAP_S:
+            out.append((rec, rec["step_s"] + gap))
+    return out
 
 
 def first_visible_index(finish: dict | None) -> int:

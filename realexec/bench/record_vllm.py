@@ -95,22 +95,20 @@ def fit_samples(steps: list[dict]) -> list[dict]:
     """Fit samples (core.cost.fit) from a vLLM recording's steps: `execute_s` is the model
     run (schedule() returned -> update_from_output() called), `overhead_s` the rest of the
     step loop: schedule, update, and the gap until the next step's schedule() (output
-    processing and detokenization in vLLM's front end: not zero, see issue 30). The last
-    step has no next one and is left out; so is a gap over 1 s (the engine sat idle)."""
+    processing and detokenization in vLLM's front end: not zero, see issue 30); the steps
+    and their loop seconds are `core.cost.step_log.loop_step_seconds`' (no last step, no
+    step before an idle gap)."""
     from core.cost.fit import shape_of
+    from core.cost.step_log import loop_step_seconds
 
     out = []
-    for rec, nxt in zip(steps, steps[1:]):
-        gap = nxt["t_start"] - rec["t_end"]
-        if gap > 1.0 or gap < 0:
-            continue
+    for rec, seconds in loop_step_seconds(steps):
         batch = rec["decision"]["batch"]
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
         execute = rec["execute_s"]
-        overhead = rec["step_s"] - execute + gap
         out.append({"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
-                    "execute_s": max(execute, 1e-9), "overhead_s": max(overhead, 1e-9),
-                    "step_s": rec["step_s"] + gap, "wall_execute_s": execute})
+                    "execute_s": max(execute, 1e-9), "overhead_s": max(seconds - execute, 1e-9),
+                    "step_s": seconds, "wall_execute_s": execute})
     return out
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from core.cost.fit import StepCostEvaluator, check_model, fit_served_scale, fit_step_jitter, summarize_errors
 from core.cost.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
-from sim.twin.served_steps import step_rows
+from sim.twin.served_steps import log_step_rows
 
 DEFAULT_SKIP = 100          # calibration requests start here: past every validation slice in the README
 DEFAULT_LOADS = ["0.5:30", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
@@ -51,6 +51,8 @@ def parse_load(text: str) -> dict:
 
 
 def add_parser(sub) -> None:
+    from sim.twin.validate import add_warmup_argument
+
     p = sub.add_parser("calibrate", help="scale a profile to served steps (serve a calibration slice, fit)",
                        description=__doc__.split("\n\n")[1])
     p.add_argument("trace", metavar="TRACE", help="trace file (any traces format)")
@@ -70,6 +72,14 @@ def add_parser(sub) -> None:
     p.add_argument("--work", default=None, metavar="DIR",
                    help="step logs and bench results of the calibration runs (default: OUT's name + .runs/)")
     p.add_argument("--reuse-real", action="store_true", help="fit on the runs already in --work")
+    add_warmup_argument(p)
+    p.add_argument("--real", choices=("twinserve", "vllm"), default="twinserve",
+                   help="the served engine: twinserve's `realexec serve`, or `vllm serve` from --vllm-python "
+                        "with its scheduler's steps recorded (--cost-model: `realexec bench fit-vllm`'s model of "
+                        "vLLM's steps; --load's engine args are vllm serve flags) (default: %(default)s)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="with --real vllm: python of vLLM's venv")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="with --real vllm: the model's fp32 HF directory (`python -m realexec export-hf --out DIR`)")
 
 
 def client_delay_samples(log: Path, bench: dict) -> list[tuple[float, float]]:
@@ -100,7 +110,7 @@ def calibrate(model: dict, runs: list[tuple[Path, dict]], folds: int = 5) -> dic
     basis = model.get("profile", {}).get("time_basis", "wall")
     per_run, delays = [], []
     for log, bench in runs:
-        per_run.append(step_rows(load_log(str(log))[2], evaluator, basis))
+        per_run.append(log_step_rows(log, evaluator, basis))
         delays += client_delay_samples(log, bench)
     rows = [r for run in per_run for r in run]
     if not delays:
@@ -162,6 +172,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_model(model, args.cost_model)
     if args.skip < 0:
         raise ValueError(f"--skip must be >= 0, got {args.skip}")
+    if args.real == "vllm" and not args.reuse_real:
+        from sim.twin.vllm_serve import check_python
+        check_python(args.vllm_python)
+        if not args.model_dir or not Path(args.model_dir).is_dir():
+            raise ValueError(f"--real vllm needs --model-dir, the model's HF directory (got {args.model_dir!r})")
+    if args.real == "vllm" and not args.load:
+        raise ValueError("--real vllm: give the calibration loads (--load RATE:N[:VLLM SERVE FLAGS]); the "
+                         "default loads' flags are realexec serve's")
     loads = args.load or [parse_load(t) for t in DEFAULT_LOADS]
     work = Path(args.work or f"{args.out}.runs")
     work.mkdir(parents=True, exist_ok=True)
@@ -176,11 +194,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   f"{load['rate']} req/s {shlex.quote(load['engine_args']) if load['engine_args'] else ''}",
                   file=sys.stderr, flush=True)
             run_args = argparse.Namespace(trace=args.trace, seed=args.seed, skip=args.skip,
-                                          max_tokens_cap=args.max_tokens_cap, **load)
+                                          max_tokens_cap=args.max_tokens_cap, real=args.real,
+                                          warmup_requests=args.warmup_requests,
+                                          vllm_python=args.vllm_python, model_dir=args.model_dir, **load)
             log, result, _ = run_real(run_args, work, i)
         runs.append((log, json.loads(result.read_text())))
     out = calibrate(model, runs, folds=args.folds)
-    out["calibration"] = {"trace": args.trace, "skip": args.skip, "seed": args.seed,
+    out["calibration"] = {"real": args.real, "trace": args.trace, "skip": args.skip, "seed": args.seed,
                           "max_tokens_cap": args.max_tokens_cap, "loads": loads, "profile": args.cost_model}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:

@@ -6,24 +6,35 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.cost.fit import ServedStep, StepCostEvaluator, phase_of, served_factor, shape_of
-from core.cost.step_log import load_log
+from core.cost.step_log import is_vllm_log, load_log, loop_step_seconds
 
 
-def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str) -> list[ServedStep]:
+def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm: bool = False) -> list[ServedStep]:
     """(phase, seqs, tokens, grid model's prediction, logged seconds) per logged step: CPU
-    seconds of the stepping thread for a CPU-basis profile, else wall seconds."""
+    seconds of the stepping thread for a CPU-basis profile, else wall seconds; of a vLLM log
+    (`vllm`), a step's seconds run to the next step's schedule(), as `bench fit-vllm` fits
+    them (core.cost.step_log.loop_step_seconds)."""
     key = "cpu_s" if basis == "cpu" else "step_s"
+    if vllm and key != "step_s":
+        raise ValueError("a vLLM log has wall seconds only: its cost model is a wall-basis one")
+    timed = loop_step_seconds(steps) if vllm else [(s, s.get(key)) for s in steps]
     rows = []
-    for s in steps:
+    for s, seconds in timed:
         batch = s["decision"]["batch"]
         if not batch:
             continue
-        if key not in s:
+        if seconds is None:
             raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
         predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
-        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, s[key]))
+        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, seconds))
     return rows
+
+
+def log_step_rows(log: Path | str, evaluator: StepCostEvaluator, basis: str) -> list[ServedStep]:
+    """`step_rows` of a step log file, vLLM's or ours."""
+    config, _, steps, _ = load_log(str(log))
+    return step_rows(steps, evaluator, basis, vllm=is_vllm_log(config))
 
 
 def served_ratio(model: dict, log: Path) -> tuple[float, float]:
@@ -32,7 +43,7 @@ def served_ratio(model: dict, log: Path) -> tuple[float, float]:
     the calibrated model prices exactly those steps. Their quotient is the run's speed
     against the calibrated model: its host state (1: the steps cost what they are priced)."""
     grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
-    rows = step_rows(load_log(str(log))[2], grid, model.get("profile", {}).get("time_basis", "wall"))
+    rows = log_step_rows(log, grid, model.get("profile", {}).get("time_basis", "wall"))
     factors = model.get("served", {}).get("factors", {})
     g = sum(r.predicted for r in rows)
     if not g:

@@ -110,14 +110,13 @@ def serve_all(slots: list[Slot], serve, runs_dir: Path, reuse: bool = False) -> 
 def session_rows(slots: list[Slot], runs: dict, profile: dict):
     """slot -> its calibration rows (ServedStep per logged step), cached."""
     from core.cost.fit import StepCostEvaluator
-    from core.cost.step_log import load_log
-    from sim.twin.served_steps import step_rows
+    from sim.twin.served_steps import log_step_rows
 
     grid, basis, cache = StepCostEvaluator(profile), profile.get("profile", {}).get("time_basis", "wall"), {}
 
     def rows(slot: Slot):
         if slot not in cache:
-            cache[slot] = step_rows(load_log(str(runs[slot][0]))[2], grid, basis)
+            cache[slot] = log_step_rows(runs[slot][0], grid, basis)
         return cache[slot]
     return rows
 

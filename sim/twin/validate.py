@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from core.metrics import percentile
 from core.procs import realexec_server
-from core.cost.step_log import first_visible_index, load_log, read_log, sample_times
+from core.cost.step_log import drop_warmup, first_visible_index, load_log, read_log, sample_times, write_record
 from sim.config import SimConfig, nonneg_int, positive_float, positive_int
 from traces.model import Trace, TraceRequest
 
@@ -55,6 +55,15 @@ METRICS = ("ttft", "tpot", "e2el")
 # slices are tens of requests, so each is milliseconds; 16 draws put the average's own
 # spread well under the real runs' (a median over 30 requests moves by a few % per draw).
 JITTER_DRAWS = 16
+# A fresh server's first requests pay one-time costs in its front end: on the 2-core host
+# vLLM's API server took 40-750 ms more from the engine's first token to the client's for
+# its first ~7 requests (5 ms after), ours ~15 ms more for its first. Each real run sends
+# this many short requests at once first, and its step log is trimmed of them.
+WARMUP_REQUESTS = 4
+# Under 16 tokens with its 4 outputs: it fills no KV block, so a measured request can hit
+# nothing it left in the prefix cache and the trimmed log replays from an empty cache.
+WARMUP_PROMPT = "Warm-up request {i}: say hello."
+WARMUP_TOKENS = 4
 
 
 def add_parser(sub) -> None:
@@ -88,6 +97,7 @@ def add_parser(sub) -> None:
                    help="with a calibrated --cost-model (`sim calibrate`, its jitter section): average the "
                         "statistics of K simulations with step jitter seeds 0..K-1, and report the simulation "
                         "without jitter next to them; 0: no jitter (default: %(default)s)")
+    add_warmup_argument(p)
     p.add_argument("--reuse-real", action="store_true",
                    help="take the real runs already in --out (their step logs and bench results) and only "
                         "simulate again, e.g. with another --cost-model")
@@ -95,7 +105,32 @@ def add_parser(sub) -> None:
                    help="report.json, validate.png, step logs and bench results (default: %(default)s)")
 
 
+def add_warmup_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup-requests", type=nonneg_int, default=WARMUP_REQUESTS, metavar="K",
+                   help="short requests sent at once to each fresh real server before the measured ones, "
+                        "and trimmed from its step log (default: %(default)s)")
+
+
 # -- real side ----------------------------------------------------------------------------------
+def write_warmup_trace(path: Path, k: int) -> None:
+    from traces.twinserve_json import save_trace
+
+    reqs = [TraceRequest(f"warmup-{i}", 0.0, len(WARMUP_PROMPT.split()) + 1, WARMUP_TOKENS,
+                         prompt=WARMUP_PROMPT.format(i=i)) for i in range(k)]
+    save_trace(Trace(reqs, "sim validate: warm-up requests"), path)
+
+
+def trim_warmup(log: Path, k: int) -> None:
+    """Drop the first `k` requests from a step log (kept whole beside it as
+    *.with-warmup.jsonl)."""
+    records = list(read_log(str(log)))
+    kept = drop_warmup(records, k)
+    log.replace(log.with_name(log.name.replace(".jsonl", ".with-warmup.jsonl")))
+    with open(log, "w") as f:
+        for r in kept:
+            write_record(f, r)
+
+
 def _process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a running process (Linux /proc; None elsewhere)."""
     try:
@@ -119,7 +154,16 @@ def run_real(args, out: Path, run: int) -> tuple[Path, Path, dict]:
     else:
         server_cm = realexec_server(["--step-log", str(log), *shlex.split(args.engine_args)],
                                     out / f"real{run}.server.log")
+    warmup = getattr(args, "warmup_requests", WARMUP_REQUESTS)
     with server_cm as server:
+        if warmup:
+            trace = out / "warmup.json"
+            write_warmup_trace(trace, warmup)
+            done = subprocess.run([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--trace", str(trace),
+                                   "--num-requests", str(warmup), "--rate", "inf",
+                                   "--max-tokens-cap", str(WARMUP_TOKENS)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"the warm-up's bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
         machine["loadavg_1m_before"] = os.getloadavg()[0]
         server_cpu0, t0 = _process_cpu_s(server.proc.pid), time.monotonic()
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -139,6 +183,8 @@ def run_real(args, out: Path, run: int) -> tuple[Path, Path, dict]:
             machine["server_cpu_s"] = server_cpu1 - server_cpu0
         if bench.returncode != 0:
             raise RuntimeError(f"bench serve failed ({bench.returncode}): {stderr[-2000:]}")
+    if warmup:
+        trim_warmup(log, warmup)
     return log, result, machine
 
 

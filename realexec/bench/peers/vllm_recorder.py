@@ -13,7 +13,11 @@ How: vLLM's offline `LLM` engine runs with its engine core in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), and vLLM's v1 `Scheduler` class is patched before the
 engine is built: `add_request` logs an arrival, `_preempt_request` notes each victim in
 order, `schedule` logs the decision (read from its SchedulerOutput before the model runs),
-`update_from_output` closes the step (its wall time) and logs the requests it finished.
+`update_from_output` closes the step (its wall time) and logs the requests it finished,
+each with `first_text_token` (after how many output tokens its text first showed, decoded
+with the model's tokenizer, which the patched `__init__` loads: a streaming client's TTFT
+is that token's, and SmolLM2 starts a quarter of ShareGPT completions with a silent
+`<|im_end|>`).
 A warm-up generate() runs first, unrecorded, then the prefix cache is reset, so the log
 starts from an empty cache like a replay does.
 
@@ -81,6 +85,18 @@ def step_extra(so, num_free_blocks: int) -> dict:
             "num_free_blocks": num_free_blocks}
 
 
+def first_text_token(decode, output_ids) -> int | None:
+    """How many output tokens the request had when its text first showed, as a streaming
+    client sees it (the decoded tokens so far, special tokens skipped, are not empty and do
+    not end in an incomplete character: bench serve's TTFT is that chunk); None: never.
+    `decode(ids) -> str` skips special tokens."""
+    for k in range(1, len(output_ids) + 1):
+        text = decode(output_ids[:k])
+        if text and not text.endswith("\ufffd"):
+            return k
+    return None
+
+
 def finish_status(status) -> str:
     """Our finish status for vLLM's RequestStatus (FINISHED_LENGTH_CAPPED -> "length", ...)."""
     name = getattr(status, "name", str(status)).upper()
@@ -95,8 +111,11 @@ def finish_status(status) -> str:
 class Recorder:
     """Collects the records; `install(Scheduler)` patches vLLM's scheduler class to feed it."""
 
-    def __init__(self, live_path: str | None = None, command: str = ""):
+    def __init__(self, live_path: str | None = None, command: str = "", decode=None):
         self.t0 = time.monotonic()
+        # decode(ids) -> text, special tokens skipped: a finish's first_text_token. Loaded from
+        # the model's tokenizer when the scheduler is built (engine start-up, not a step).
+        self.decode, self._decode_tried = decode, decode is not None
         self.on = live_path is not None
         self.records: list[dict] = []
         self.scheduler = None
@@ -123,9 +142,33 @@ class Recorder:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
+    def load_tokenizer(self, scheduler) -> None:
+        """`decode` from the tokenizer of the scheduler's model (transformers, in vLLM's venv);
+        a tokenizer that cannot be loaded leaves first_text_token unknown (None), said once."""
+        if self._decode_tried:
+            return
+        self._decode_tried = True
+        model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+        path = getattr(model_config, "tokenizer", None) or getattr(model_config, "model", None)
+        if path is None:
+            return
+        try:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as e:      # any failure inside transformers: record without it
+            print(f"twinserve vLLM recorder: no tokenizer from {path} ({type(e).__name__}: {e}): "
+                  f"finish records carry first_text_token null", file=sys.stderr, flush=True)
+            return
+        self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+
     def install(self, scheduler_cls) -> None:
         rec = self
+        orig_init = scheduler_cls.__init__
         orig_add, orig_preempt = scheduler_cls.add_request, scheduler_cls._preempt_request
+
+        def __init__(self, *a, **kw):
+            orig_init(self, *a, **kw)
+            rec.load_tokenizer(self)
         orig_schedule, orig_update = scheduler_cls.schedule, scheduler_cls.update_from_output
 
         def add_request(self, request):
@@ -186,12 +229,15 @@ class Recorder:
 
         def _free_request(self, request, *a, **kw):
             if rec.on:
+                out_ids = getattr(request, "output_token_ids", None)
+                first = first_text_token(rec.decode, list(out_ids)) if rec.decode and out_ids else None
                 rec.emit({"kind": "finish", "req_id": request.request_id,
                                     "num_output_tokens": request.num_output_tokens,
-                                    "status": finish_status(request.status), "first_text_token": None})
+                                    "status": finish_status(request.status), "first_text_token": first})
             return orig_free(self, request, *a, **kw)
 
         orig_free = scheduler_cls._free_request
+        scheduler_cls.__init__ = __init__
         scheduler_cls.add_request = add_request
         scheduler_cls._preempt_request = _preempt_request
         scheduler_cls.schedule = schedule
@@ -328,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
     rec = Recorder()
-    rec.install(Scheduler)
+    rec.install(Scheduler)          # its tokenizer loads when the engine builds the scheduler
     kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens),
                                 ("num_gpu_blocks_override", args.num_gpu_blocks),

@@ -257,6 +257,17 @@ def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_pa
     bench = json.loads((out / "real1.bench.json").read_text())
     assert sorted(r.output_len for r in trace.requests) == sorted(bench["output_lens"])
     assert sorted(r.prompt_len for r in trace.requests) == sorted(bench["input_lens"])
+    # each real run began with a warm-up of 4 short requests, trimmed from its step log (kept
+    # whole beside it); the trimmed log replays with the engine's decision at every step
+    from core.cost.step_log import load_log
+    from sim.twin.replay import replay
+
+    _, warm_arrivals, warm_steps, _ = load_log(str(out / "real1.steps.with-warmup.jsonl"))
+    _, arrivals, steps, _ = load_log(str(out / "real1.steps.jsonl"))
+    assert len(warm_arrivals) == len(arrivals) + 4 == 8 and len(warm_steps) > len(steps)
+    assert [s["step"] for s in steps] == list(range(len(steps)))
+    report = replay(str(out / "real1.steps.jsonl"))
+    assert report.equal and report.num_equal_steps == len(steps), report.first_divergence
 
     # the same real runs against a model with step jitter: the prediction is the mean of
     # --jitter-draws simulations, and the unjittered one is reported beside it

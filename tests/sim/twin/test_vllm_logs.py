@@ -4,6 +4,7 @@ scheduler class, and `sim replay` on the committed recordings in tests/fixtures/
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,6 +83,10 @@ class FakeRequest:
     def num_output_tokens(self):
         return len(self.output)
 
+    @property
+    def output_token_ids(self):
+        return self.output
+
 
 class FakeScheduler:
     """vLLM's Scheduler surface the recorder patches, with a tiny rule: block size 4, a
@@ -142,9 +147,9 @@ class FakeScheduler:
         return {}
 
 
-def drive(victims=None):
+def drive(victims=None, decode=None):
     cls = type("PatchedScheduler", (FakeScheduler,), {})
-    rec = vr.Recorder()
+    rec = vr.Recorder(decode=decode)
     rec.install(cls)
     s = cls(victims)
     s.add_request(FakeRequest("warm", [1, 2], 1))       # recording off: not logged
@@ -174,6 +179,62 @@ def test_recorder_logs_steps_arrivals_and_finishes_but_not_the_warmup():
     used = [s["decision"]["used_gpu_blocks"] for s in steps]
     assert used[0] == 3                           # 21 blocks - null block - 17 free
     assert all(s["t_end"] >= s["t_start"] and s["step_s"] == pytest.approx(s["t_end"] - s["t_start"]) for s in steps)
+
+
+def test_first_text_token_is_the_first_output_token_whose_text_shows():
+    text = {1: "", 2: "Hi", 3: "\xe2", 4: "\u2014"}         # 1: a special token; 3 + 4: one character
+    def decode(ids):
+        out = "".join(text[t] for t in ids)
+        return out.replace("\xe2\u2014", "\u2014") if "\xe2\u2014" in out else out.replace("\xe2", "\ufffd")
+    assert vr.first_text_token(decode, [2, 1]) == 1
+    assert vr.first_text_token(decode, [1, 1, 2]) == 3              # silent special tokens first
+    assert vr.first_text_token(decode, [1, 3, 4, 2]) == 3           # not before the character is whole
+    assert vr.first_text_token(decode, [1, 1]) is None
+    assert vr.first_text_token(decode, []) is None
+
+
+def test_recorder_finish_says_when_the_text_first_showed():
+    rec = drive(decode=lambda ids: "a" * (len(ids) - 1))       # the first output token is silent
+    finishes = {r["req_id"]: r for r in rec.records if r["kind"] == "finish"}
+    assert finishes["x"]["first_text_token"] == 2 and finishes["y"]["first_text_token"] == 2
+    rec = drive()                                               # no tokenizer: unknown
+    assert all(r["first_text_token"] is None for r in rec.records if r["kind"] == "finish")
+
+
+def test_recorder_loads_the_models_tokenizer_when_the_scheduler_is_built(monkeypatch, capsys):
+    import transformers
+
+    loaded = []
+
+    class Tok:
+        @staticmethod
+        def decode(ids, skip_special_tokens):
+            assert skip_special_tokens
+            return "".join("" if t == 7 else "b" for t in ids)
+
+    def from_pretrained(path):
+        loaded.append(path)
+        if path == "/models/missing":
+            raise OSError("no such directory")
+        return Tok()
+
+    def scheduler_class(model, tokenizer):
+        config = SimpleNamespace(model_config=SimpleNamespace(model=model, tokenizer=tokenizer))
+        return type("PatchedScheduler", (FakeScheduler,), {"vllm_config": config})
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    rec = vr.Recorder()
+    cls = scheduler_class("/models/m", "/models/tok")
+    rec.install(cls)
+    cls()
+    cls()                                                       # loaded once, at the first build
+    assert loaded == ["/models/tok"] and rec.decode([7, 8]) == "b"
+    rec = vr.Recorder()
+    cls = scheduler_class("/models/missing", None)             # no tokenizer path: the model's
+    rec.install(cls)
+    cls()
+    assert loaded[-1] == "/models/missing" and rec.decode is None
+    assert "first_text_token null" in capsys.readouterr().err
 
 
 def test_recorder_logs_the_victims_of_the_step_that_preempted_them():
@@ -463,3 +524,40 @@ def test_fit_vllm_on_the_recordings_writes_a_cost_model_sim_reads(tmp_path):
     # 24 short prompts at once: one prefill step; the error says how to record a fittable log
     with pytest.raises(ValueError, match=r"1 prefill steps, the fit needs at least 5 .*--max-num-batched-tokens"):
         fit_logs([str(LIGHT)])
+
+
+def test_a_calibration_prices_a_vllm_logs_steps_to_the_next_schedule_as_its_fit_does(tmp_path):
+    """`sim calibrate --real vllm` compares each served step with the model's price of it;
+    a vLLM model (fit-vllm) prices a step up to the next step's schedule(), so the served
+    side must be measured the same way, not by the schedule-to-update time alone."""
+    from core.cost.fit import StepCostEvaluator
+    from core.cost.step_log import loop_step_seconds
+    from realexec.bench.record_vllm import fit_logs, fit_samples
+    from sim.twin.served_steps import log_step_rows
+
+    model = fit_logs([str(PREEMPT), str(SERVED)])
+    rows = log_step_rows(SERVED, StepCostEvaluator(model), "wall")
+    _, _, steps, _ = load_log(str(SERVED))
+    timed = loop_step_seconds(steps)
+    assert len(rows) == len(timed) == len(fit_samples(steps)) < len(steps)
+    assert [r.measured for r in rows] == pytest.approx([sec for _, sec in timed])
+    assert [r.measured for r in rows] == pytest.approx([s["step_s"] for s in fit_samples(steps)])
+    assert any(sec > s["step_s"] for s, sec in timed)
+    with pytest.raises(ValueError, match="wall seconds only"):
+        log_step_rows(SERVED, StepCostEvaluator(model), "cpu")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--real vllm needs --vllm-python"),
+    (["--vllm-python", sys.executable], "--real vllm needs --model-dir"),
+    (["--vllm-python", sys.executable, "--model-dir", "."], "give the calibration loads"),
+])
+def test_calibrate_against_vllm_says_what_it_needs(extra, message, tmp_path, capsys):
+    from realexec.bench.record_vllm import fit_logs
+    from sim.cli import main
+
+    cost = tmp_path / "vllm-cost.json"
+    cost.write_text(json.dumps(fit_logs([str(PREEMPT), str(SERVED)])))
+    assert main(["calibrate", "traces/sharegpt.json", "--real", "vllm", "--cost-model", str(cost),
+                 "--out", str(tmp_path / "out.json"), *extra]) == 2
+    assert message in capsys.readouterr().err
