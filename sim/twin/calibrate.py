@@ -33,6 +33,7 @@ from core.cost.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
 from sim.twin.served_steps import log_step_rows
 
+DEFAULT_PROFILE = "results/profile.json"
 DEFAULT_SKIP = 100          # calibration requests start here: past every validation slice in the README
 DEFAULT_LOADS = ["0.5:30", "4:20:--num-gpu-blocks 40 --max-num-seqs 8"]     # twin_tables' two scenarios
 
@@ -56,8 +57,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="scale a profile to served steps (serve a calibration slice, fit)",
                        description=__doc__.split("\n\n")[1])
     p.add_argument("trace", metavar="TRACE", help="trace file (any traces format)")
-    p.add_argument("--cost-model", default="results/profile.json", metavar="FILE",
-                   help="`python -m realexec profile` output (default: %(default)s, where profile writes it)")
+    p.add_argument("--cost-model", default=None, metavar="FILE",
+                   help=f"`python -m realexec profile` output (default: {DEFAULT_PROFILE}, where profile writes "
+                        f"it); with --real vllm a `realexec bench fit-vllm` model, and by default none: vLLM's step "
+                        f"costs are fitted on the calibration runs' own steps")
     p.add_argument("--out", default="results/calibrated.json", metavar="FILE",
                    help="write the calibrated cost model here (JSON; default: %(default)s)")
     p.add_argument("--load", type=parse_load, action="append", metavar="RATE:N[:ENGINE ARGS]",
@@ -165,11 +168,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from core.cost.fitted import load_cost_model_file
     from sim.twin.validate import run_real
 
-    if not Path(args.cost_model).exists():
-        raise ValueError(f"--cost-model {args.cost_model}: no such file; write it with `python -m realexec profile "
-                         f"--out {args.cost_model}`")
-    model = load_cost_model_file(args.cost_model)
-    check_model(model, args.cost_model)
+    if args.cost_model is None and args.real == "twinserve":
+        args.cost_model = DEFAULT_PROFILE
+    model = None                  # --real vllm without --cost-model: fitted on the calibration runs below
+    if args.cost_model is not None:
+        if not Path(args.cost_model).exists():
+            how = ("python -m realexec bench fit-vllm" if args.real == "vllm" else "python -m realexec profile")
+            raise ValueError(f"--cost-model {args.cost_model}: no such file; write it with `{how} "
+                             f"--out {args.cost_model}`")
+        model = load_cost_model_file(args.cost_model)
+        check_model(model, args.cost_model)
     if args.skip < 0:
         raise ValueError(f"--skip must be >= 0, got {args.skip}")
     if args.real == "vllm" and not args.reuse_real:
@@ -199,9 +207,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                           vllm_python=args.vllm_python, model_dir=args.model_dir, **load)
             log, result, _ = run_real(run_args, work, i)
         runs.append((log, json.loads(result.read_text())))
+    if model is None:
+        from core.cost.vllm_fit import fit_logs
+
+        model = fit_logs([str(log) for log, _ in runs], args.folds)
+        print(f"fitted vLLM's step costs on {len(model['samples'])} served steps of the calibration runs",
+              flush=True)
     out = calibrate(model, runs, folds=args.folds)
     out["calibration"] = {"real": args.real, "trace": args.trace, "skip": args.skip, "seed": args.seed,
-                          "max_tokens_cap": args.max_tokens_cap, "loads": loads, "profile": args.cost_model}
+                          "max_tokens_cap": args.max_tokens_cap, "loads": loads,
+                          "profile": args.cost_model or "fitted on the calibration runs"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

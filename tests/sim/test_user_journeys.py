@@ -168,6 +168,7 @@ def test_run_search_and_bench_default_to_one_deployment(capsys):
      "missing.json"),
     (["replay", "missing.jsonl"], "missing.jsonl"),
     (["calibrate", str(SHAREGPT), "--cost-model", "missing.json"], "missing.json"),
+    (["calibrate", str(SHAREGPT)], "results/profile.json: no such file"),      # the default profile
     (["validate", str(SHAREGPT), "--cost-model", "missing.json", "--rate", "1"], "missing.json"),
     (["run", str(SHAREGPT), "--model", "GPT-9"], "unknown model 'GPT-9'"),
     (["search", str(SHAREGPT), "--model", "GPT-9", "--qps", "1", "--slo-ttft-p90", "1", "--slo-tpot-p90", "1",
@@ -209,8 +210,9 @@ def test_outputs_default_under_results(tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert p.parse_args([]).out == "results/profile.json"
+    from sim.twin.calibrate import DEFAULT_PROFILE
     cal = build_parser().parse_args(["calibrate", "t.json"])
-    assert (cal.cost_model, cal.out) == ("results/profile.json", "results/calibrated.json")
+    assert (cal.cost_model, DEFAULT_PROFILE, cal.out) == (None, "results/profile.json", "results/calibrated.json")
     assert build_parser().parse_args(["validate", "t.json", "--cost-model", "c", "--rate", "1"]).out == \
         "results/validate"
     assert "results/" in (ROOT / ".gitignore").read_text().split()

@@ -492,7 +492,7 @@ def test_vllm_serve_command_keeps_host_and_port_its_own():
 # ----------------------------------------------------------------------------- fitting on vLLM's steps
 
 def test_fit_samples_count_the_gap_to_the_next_step_as_overhead():
-    from realexec.bench.record_vllm import fit_samples
+    from core.cost.vllm_fit import fit_samples
 
     def step(t0, execute, step_s, batch):
         return {"t_start": t0, "t_end": t0 + step_s, "step_s": step_s, "execute_s": execute,
@@ -510,7 +510,7 @@ def test_fit_samples_count_the_gap_to_the_next_step_as_overhead():
 
 def test_fit_vllm_on_the_recordings_writes_a_cost_model_sim_reads(tmp_path):
     from core.cost.fitted import FittedCostModel
-    from realexec.bench.record_vllm import fit_logs
+    from core.cost.vllm_fit import fit_logs
 
     model = fit_logs([str(LIGHT), str(PREEMPT)])
     assert model["engine"]["block_size"] == 128 and model["profile"]["engine"] == "vllm"
@@ -532,7 +532,7 @@ def test_a_calibration_prices_a_vllm_logs_steps_to_the_next_schedule_as_its_fit_
     side must be measured the same way, not by the schedule-to-update time alone."""
     from core.cost.fit import StepCostEvaluator
     from core.cost.step_log import loop_step_seconds
-    from realexec.bench.record_vllm import fit_logs, fit_samples
+    from core.cost.vllm_fit import fit_logs, fit_samples
     from sim.twin.served_steps import log_step_rows
 
     model = fit_logs([str(PREEMPT), str(SERVED)])
@@ -553,7 +553,7 @@ def test_a_calibration_prices_a_vllm_logs_steps_to_the_next_schedule_as_its_fit_
     (["--vllm-python", sys.executable, "--model-dir", "."], "give the calibration loads"),
 ])
 def test_calibrate_against_vllm_says_what_it_needs(extra, message, tmp_path, capsys):
-    from realexec.bench.record_vllm import fit_logs
+    from core.cost.vllm_fit import fit_logs
     from sim.cli import main
 
     cost = tmp_path / "vllm-cost.json"
