@@ -15,6 +15,10 @@
     so that a p90 is not one request: `sim.twin.spread` measures it);
   * queueing: 20 requests at 4 req/s on 40 KV blocks of 16 tokens and at most 8
     sequences (requests queue, and the KV pool runs out: preemptions).
+With `--real vllm --vllm-python PATH --model-dir DIR` the same design runs against `vllm
+serve` (the loads in vLLM's flags: VLLM_SCENARIOS), and the profile is vLLM's step costs
+fitted on every calibration run's served steps (`core.cost.vllm_fit`; or --profile, a
+`realexec bench fit-vllm` model), which each round's calibration scales.
 Writes `tables.md` (per scenario: the error of the mean prediction against the mean real
 run, the same at each validation run's own speed (the host term's oracle: the model priced
 at what the run's logged steps measured), each round's error, the same with one
@@ -41,6 +45,14 @@ from sim.twin.validate import JITTER_DRAWS
 SCENARIOS = {
     "light": (0.5, 30, ""),
     "queueing": (4.0, 20, "--num-gpu-blocks 40 --max-num-seqs 8"),
+}
+# The same loads against `vllm serve` (--real vllm): the queueing one's small KV pool in
+# vLLM's flags (20 usable blocks of 32 tokens; the CPU backend wants multiples of 32, and a
+# max_model_len the pool can hold). Eager: no compile, as the recordings.
+VLLM_SCENARIOS = {
+    "light": (0.5, 30, "--enforce-eager"),
+    "queueing": (4.0, 20, "--enforce-eager --block-size 32 --num-gpu-blocks-override 21 --max-model-len 640 "
+                          "--max-num-seqs 8"),
 }
 MAX_TOKENS = 16
 CALIBRATION_SKIP, CALIBRATION_SEED = 100, 1
@@ -74,16 +86,19 @@ def parse_sizes(texts: list[str]) -> dict[str, int]:
     return sizes
 
 
-def serve_args(slot: Slot, trace: str, calibration_skip: int,
-               sizes: dict[str, int] | None = None) -> argparse.Namespace:
-    """`run_real`'s arguments for a slot: the scenario's load and engine flags, on the
-    calibration slice (requests from `calibration_skip`, seed 1) or the validation one,
-    both of `sizes[scenario]` requests (default: the scenario's)."""
-    rate, n, engine = SCENARIOS[slot.scenario]
+def serve_args(slot: Slot, trace: str, calibration_skip: int, sizes: dict[str, int] | None = None,
+               real: str = "twinserve", vllm_python: str | None = None,
+               model_dir: str | None = None) -> argparse.Namespace:
+    """`run_real`'s arguments for a slot: the scenario's load and engine flags (`real`'s:
+    twinserve's or vLLM's), on the calibration slice (requests from `calibration_skip`,
+    seed 1) or the validation one, both of `sizes[scenario]` requests (default: the
+    scenario's)."""
+    rate, n, engine = (VLLM_SCENARIOS if real == "vllm" else SCENARIOS)[slot.scenario]
     n = (sizes or {}).get(slot.scenario, n)
     cal = slot.role == CALIBRATION
     return argparse.Namespace(trace=trace, rate=rate, num_requests=n, engine_args=engine, max_tokens_cap=MAX_TOKENS,
-                              skip=calibration_skip if cal else 0, seed=CALIBRATION_SEED if cal else 0)
+                              skip=calibration_skip if cal else 0, seed=CALIBRATION_SEED if cal else 0,
+                              real=real, vllm_python=vllm_python, model_dir=model_dir)
 
 
 def serve_all(slots: list[Slot], serve, runs_dir: Path, reuse: bool = False) -> dict[Slot, tuple[Path, dict, dict]]:
@@ -129,7 +144,7 @@ def pick_pairing(slots: list[Slot], runs: dict, profile: dict, requested: str = 
 
 
 def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, profile_path: str,
-                    out: Path, pairing: str | None) -> dict:
+                    out: Path, pairing: str | None, scenarios: dict = SCENARIOS) -> dict:
     """Per validation round of one scenario: the profile calibrated on the calibration runs
     `pairing` names (None: uncalibrated), the simulation of the round's logged workload,
     the real client's numbers (and per request the real and simulated latencies, in
@@ -192,7 +207,7 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
         errors["no jitter vs mean"] = rel_errors(mean_stats(steady), real_mean)
         errors["calibrated once vs mean"] = rel_errors(mean_stats(once), real_mean)
         errors["uncalibrated vs mean"] = rel_errors(mean_stats(base), real_mean)
-    rate, _, engine_args = SCENARIOS[name]
+    rate, _, engine_args = scenarios[name]
     n = len(runs[vals[0]][1]["ttfts"])               # the validation slice's requests
     report = {"scenario": name, "rate": rate, "num_requests": n, "engine_args": engine_args,
               "real": real, "sim": sim, "at_run_speed": at_speed, "no_jitter": steady, "once": once,
@@ -248,7 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.twin.tables", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default="traces/sharegpt.json", help="trace (default: %(default)s)")
     p.add_argument("--profile", default=None, metavar="FILE",
-                   help="use this `realexec profile` output instead of profiling first")
+                   help="use this `realexec profile` output instead of profiling first (with --real vllm: a "
+                        "`realexec bench fit-vllm` model; by default vLLM's step costs are fitted on all the "
+                        "calibration runs' steps, and each round's calibration scales that fit)")
+    p.add_argument("--real", choices=("twinserve", "vllm"), default="twinserve",
+                   help="the real engine: twinserve's `realexec serve`, or `vllm serve` from --vllm-python with its "
+                        "scheduler's steps recorded and the same loads in vLLM's flags (default: %(default)s)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="with --real vllm: python of vLLM's venv")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="with --real vllm: the model's fp32 HF directory (`python -m realexec export-hf --out DIR`)")
     p.add_argument("--repeats", type=int, default=2, help="profile repeats (default: %(default)s)")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     p.add_argument("--num-requests", action="append", default=[], metavar="SCENARIO=N",
@@ -280,26 +303,46 @@ def main(argv: list[str] | None = None) -> int:
                 f"(the trace's first {largest} requests)")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.real == "vllm":
+        if args.no_calibration and args.profile is None:
+            p.error("--real vllm --no-calibration needs --profile (a `realexec bench fit-vllm` model): without "
+                    "calibration runs there are no served steps to fit vLLM's step costs on")
+        if not args.reuse_real:
+            from sim.twin.vllm_serve import check_python
+            try:
+                check_python(args.vllm_python)
+            except ValueError as e:
+                p.error(str(e))
+            if not args.model_dir or not os.path.isdir(args.model_dir):
+                p.error(f"--real vllm needs --model-dir, the model's HF directory (got {args.model_dir!r})")
     from core.cost.fitted import load_cost_model_file
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     py, t0 = sys.executable, time.monotonic()
     profile = args.profile
-    if profile is None:
+    if profile is None and args.real == "twinserve":
         profile = str(out / "profile.json")
         if not args.reuse_real:
             _run([py, "-m", "realexec", "profile", "--repeats", str(args.repeats), "--out", profile],
                  out / "profile.log")
-    model = load_cost_model_file(profile)
     slots = schedule(args.scenarios, args.rounds, args.design, calibrate=not args.no_calibration)
     from sim.twin.validate import run_real
 
     def serve(slot: Slot, folder: Path):
-        return run_real(serve_args(slot, args.trace, args.calibration_skip, sizes), folder, 1)
+        return run_real(serve_args(slot, args.trace, args.calibration_skip, sizes, args.real, args.vllm_python,
+                                   args.model_dir), folder, 1)
     runs = serve_all(slots, serve, out / "runs", args.reuse_real)
+    if profile is None:            # vLLM: its step costs fitted on every calibration run's served steps
+        from core.cost.vllm_fit import fit_logs
+
+        profile = str(out / "vllm-fit.json")
+        fitted = fit_logs([str(runs[s][0]) for s in slots if s.role == CALIBRATION])
+        Path(profile).write_text(json.dumps(fitted))
+    model = load_cost_model_file(profile)
     pairing, check = (None, {}) if args.no_calibration else pick_pairing(slots, runs, model, args.pairing)
-    parts = [f"# twin validation ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, profile {profile}, "
+    parts = [f"# twin validation{' of vLLM' if args.real == 'vllm' else ''} "
+             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, profile {profile}, "
              f"{args.rounds} rounds, {args.design if pairing else 'uncalibrated'}"
              + (f", pairing: {pairing}" if pairing else "") + ")", "",
              "served in this order: " + " ".join(s.name for s in slots), ""]
@@ -321,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                   "scenario's first calibration run only (one calibration before the validation runs, as before "
                   "rounds); noise: the real runs' largest distance from their mean.", ""]
     for name in args.scenarios:
-        report = scenario_report(name, slots, runs, model, profile, out / name, pairing)
+        report = scenario_report(name, slots, runs, model, profile, out / name, pairing,
+                                 VLLM_SCENARIOS if args.real == "vllm" else SCENARIOS)
         parts.append(markdown(report))
     parts.append(f"took {time.monotonic() - t0:.0f}s; load average now {os.getloadavg()[0]:.2f}")
     text = "\n".join(parts) + "\n"
