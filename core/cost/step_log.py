@@ -144,17 +144,23 @@ def is_vllm_log(config: dict) -> bool:
     return config.get("engine") == "vllm"
 
 
-def loop_step_seconds(steps: list[dict]) -> list[tuple[dict, float]]:
+def loop_step_seconds(steps: list[dict], arrivals: list[dict] | None = None) -> list[tuple[dict, float]]:
     """(step, seconds) for a vLLM log: the step's schedule-to-update time plus the gap until
     the next step's schedule() (the engine core's output processing and hand-off to its
-    front end: not zero, and a cost model of vLLM prices it as the step's overhead). The
-    last step has no next one and is left out; so is a step followed by a gap over
-    MAX_LOOP_GAP_S (the engine sat idle) or a negative one."""
+    front end: not zero, and a cost model of vLLM prices it as the step's overhead). Left
+    out: the last step (no next one), a step followed by a negative gap, and one after which
+    the engine sat idle: every request of the next step entered the engine after this step
+    ended (with `arrivals`: the engine waited for them; a light load's idle gaps were 6-8% of
+    its logged time), or, without arrivals, a gap over MAX_LOOP_GAP_S."""
+    entered = {a["req_id"]: a["t"] for a in arrivals} if arrivals is not None else None
     out = []
     for rec, nxt in zip(steps, steps[1:]):
         gap = nxt["t_start"] - rec["t_end"]
-        if 0 <= gap <= MAX_LOOP_GAP_S:
-            out.append((rec, rec["step_s"] + gap))
+        if gap < 0 or gap > MAX_LOOP_GAP_S:
+            continue
+        if entered is not None and all(entered.get(b[0], -1.0) > rec["t_end"] for b in nxt["decision"]["batch"]):
+            continue
+        out.append((rec, rec["step_s"] + gap))
     return out
 
 

@@ -5,18 +5,18 @@
 from __future__ import annotations
 
 
-def fit_samples(steps: list[dict]) -> list[dict]:
+def fit_samples(steps: list[dict], arrivals: list[dict] | None = None) -> list[dict]:
     """Fit samples (core.cost.fit) from a vLLM recording's steps: `execute_s` is the model
     run (schedule() returned -> update_from_output() called), `overhead_s` the rest of the
     step loop: schedule, update, and the gap until the next step's schedule() (output
     processing and detokenization in vLLM's front end: not zero, see issue 30); the steps
     and their loop seconds are `core.cost.step_log.loop_step_seconds`' (no last step, no
-    step before an idle gap)."""
+    step before an idle gap: one the engine waited in for `arrivals`)."""
     from core.cost.fit import shape_of
     from core.cost.step_log import loop_step_seconds
 
     out = []
-    for rec, seconds in loop_step_seconds(steps):
+    for rec, seconds in loop_step_seconds(steps, arrivals):
         batch = rec["decision"]["batch"]
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
         execute = rec["execute_s"]
@@ -35,10 +35,10 @@ def fit_logs(paths: list[str], folds: int = 5) -> dict:
 
     samples, configs = [], []
     for path in paths:
-        config, _arrivals, steps, _finishes = load_log(path)
+        config, arrivals, steps, _finishes = load_log(path)
         if config.get("engine") != "vllm":
             raise ValueError(f"{path}: not a vLLM recording (no engine 'vllm' in its config record)")
-        samples += fit_samples(steps)
+        samples += fit_samples(steps, arrivals)
         configs.append(config)
     for phase in PHASES:
         n = sum(1 for s in samples if phase_of(s["seqs"], s["tokens"]) == phase)

@@ -37,6 +37,7 @@ ROWS = (("median TTFT (ms)", "median_ttft_ms", 0.05), ("median TPOT (ms)", "medi
         ("request throughput (req/s)", "request_throughput", 0.05),
         ("p90 TTFT (ms)", "p90_ttft_ms", 0.10), ("p90 TPOT (ms)", "p90_tpot_ms", 0.10))
 # the profile's engine section -> the serve flags both servers get
+WARMUP_REQUESTS = 4          # short requests sent at once to each fresh server before the measured ones
 _ENGINE_FLAGS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks", "max_model_len")
 
 
@@ -79,6 +80,10 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--sim-model", default="Llama-3-8B", help="the server's --sim-model [Llama-3-8B]")
     parser.add_argument("--sim-hardware", default="H100", help="the server's --sim-hardware [H100]")
     parser.add_argument("--out", default=None, metavar="OUT.json", help="write the measurement here")
+    parser.add_argument("--floor", action="store_true",
+                        help="also serve the same load from realexec/bench/sse_floor.py (uvloop + httptools, one SSE "
+                             "event per token at the simulated server's median TPOT, no framework, no engine) and "
+                             "print the simulated server's CPU per request against it")
     return parser
 
 
@@ -99,6 +104,17 @@ def _bench(url: str, trace: str, num_requests: int, rate: float, max_tokens_cap:
         errors = [e for e in summary["errors"] if e]
         raise RuntimeError(f"bench serve against {url}: {summary['failed']} request(s) failed: {errors[0]}")
     return summary
+
+
+def _short_trace(path: Path, n: int, max_tokens: int, source: str) -> Path:
+    """A trace of `n` 14-word prompts (under 16 tokens: none fills a KV block) asking for
+    `max_tokens` tokens each."""
+    words = "the quick brown fox jumps over a lazy dog while".split()
+    requests = [json.dumps({"id": f"short-{i}", "arrival_time": 0.0, "prompt_len": 16, "output_len": max_tokens,
+                            "prompt": " ".join(words[(i + j) % len(words)] for j in range(14))}) for i in range(n)]
+    path.write_text(f'{{"format": "twinserve-trace", "version": 1, "source": {json.dumps(source)}, "requests": [\n'
+                    + ",\n".join(requests) + "\n]}\n")
+    return path
 
 
 def _cpu_seconds(pid: int | str) -> float:
@@ -173,6 +189,7 @@ def run_vs_real(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, dict]] = {}
     env = {"OMP_NUM_THREADS": "1"}
+    warmup = _short_trace(out / "warmup.json", WARMUP_REQUESTS, 4, "simulate-vs-real: warm-up")
     for load, rate in loads:
         runs[load] = {}
         for kind, extra in (("real", []), ("simulated", ["--simulate", str(cost_model)] + shlex.split(args.sim_args))):
@@ -180,6 +197,9 @@ def run_vs_real(args) -> int:
                   flush=True)
             with realexec_server(flags + extra, out / f"{load}-{kind}.log", env=env, ready_timeout=300,
                                  stop_timeouts=(30, 10)) as server:
+                # a fresh server's first requests pay one-time costs (imports, first calls): a
+                # burst of short ones first, as sim validate does
+                _bench(server.url, str(warmup), WARMUP_REQUESTS, float("inf"), None)
                 load_before = _load_avg()
                 summary = _bench(server.url, args.trace, args.num_requests, rate, args.max_tokens_cap)
             summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
@@ -196,44 +216,65 @@ def run_vs_real(args) -> int:
     return 0
 
 
+def _measure_cpu(url: str, pid: int, trace: str, args) -> dict:
+    """Serve the measured load from the server at `url` (process `pid`) after a warm-up:
+    its bench summary and the process's CPU seconds, per thread too, over the run."""
+    _bench(url, trace, 20, 20.0, None)            # warm-up (first requests, imports)
+    load_before = _load_avg()
+    threads0, cpu0, t0 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
+    summary = _bench(url, trace, args.num_requests, args.rate, None)
+    threads1, cpu1, t1 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
+    # where it went: the busiest threads (the event loop's HTTP work, the engine thread, ...)
+    by_thread = sorted(((threads1[t] - threads0.get(t, 0.0)) for t in threads1), reverse=True)
+    return {"summary": summary, "cpu_s": cpu1 - cpu0, "wall_s": t1 - t0, "threads": by_thread,
+            "loadavg": [load_before, _load_avg()]}
+
+
 def run_cpu(args) -> int:
-    from core.procs import realexec_server
+    from core.procs import free_port, realexec_server, serve_process
 
     if not args.rate > 0 or args.num_requests < 1 or args.max_tokens < 1:
         raise ValueError("--rate must be > 0, --num-requests and --max-tokens >= 1")
     flags = ["--simulate", args.simulate, "--log-level", "warning"]
     if args.simulate == "roofline":
         flags += ["--sim-model", args.sim_model, "--sim-hardware", args.sim_hardware]
+    floor = None
     with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "short.json"
-        words = "the quick brown fox jumps over a lazy dog while".split()
-        requests = [json.dumps({"id": f"short-{i}", "arrival_time": 0.0, "prompt_len": 16, "output_len": args.max_tokens,
-                                "prompt": " ".join(words[(i + j) % len(words)] for j in range(14))})
-                    for i in range(args.num_requests)]
-        trace.write_text('{"format": "twinserve-trace", "version": 1, "source": "simulate-cpu: short prompts", '
-                         '"requests": [\n' + ",\n".join(requests) + "\n]}\n")
+        trace = _short_trace(Path(tmp) / "short.json", args.num_requests, args.max_tokens,
+                             "simulate-cpu: short prompts")
         with realexec_server(flags, Path(tmp) / "server.log", ready_timeout=300) as server:
-            pid = server.proc.pid
-            _bench(server.url, str(trace), 20, 20.0, None)            # warm-up (first requests, imports)
-            load_before = _load_avg()
-            threads0, cpu0, t0 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
-            summary = _bench(server.url, str(trace), args.num_requests, args.rate, None)
-            threads1, cpu1, t1 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
-    # where it went: the busiest threads (the event loop's HTTP work, the engine thread, ...)
-    by_thread = sorted(((threads1[t] - threads0.get(t, 0.0)) for t in threads1), reverse=True)
-    wall = t1 - t0
-    share = (cpu1 - cpu0) / wall
+            m = _measure_cpu(server.url, server.proc.pid, str(trace), args)
+        if args.floor:
+            step_s = max(m["summary"]["median_tpot_ms"] / 1e3, 0.001)    # the simulated server's pace
+            port = free_port()
+            cmd = [sys.executable, str(Path(__file__).with_name("sse_floor.py")), str(port), f"{step_s:.6f}"]
+            with serve_process(cmd, port, Path(tmp) / "floor.log", ready_timeout=60) as server:
+                floor = _measure_cpu(server.url, server.proc.pid, str(trace), args)
+            floor["step_s"] = step_s
+    summary, wall, cpu = m["summary"], m["wall_s"], m["cpu_s"]
+    share = cpu / wall
     result = {"rate": args.rate, "achieved_request_throughput": summary["request_throughput"],
               "num_requests": args.num_requests, "max_tokens": args.max_tokens, "server_flags": flags,
-              "server_cpu_s": cpu1 - cpu0, "wall_s": wall, "cores": share,
-              "thread_cpu_s": [round(x, 3) for x in by_thread if x > 0],
-              "cpu_ms_per_request": (cpu1 - cpu0) / args.num_requests * 1e3,
+              "server_cpu_s": cpu, "wall_s": wall, "cores": share,
+              "thread_cpu_s": [round(x, 3) for x in m["threads"] if x > 0],
+              "cpu_ms_per_request": cpu / args.num_requests * 1e3,
               "median_ttft_ms": summary["median_ttft_ms"], "median_tpot_ms": summary["median_tpot_ms"],
-              "loadavg": [load_before, _load_avg()]}
+              "loadavg": m["loadavg"]}
     print(f"simulate-cpu: {summary['request_throughput']:.1f} req/s served ({args.rate:g} offered, "
-          f"{args.max_tokens} output tokens each): the server process used {cpu1 - cpu0:.2f} CPU s in "
-          f"{wall:.2f} s = {share:.1%} of a core, {(cpu1 - cpu0) / args.num_requests * 1e3:.2f} ms per request; "
-          f"busiest threads {', '.join(f'{x:.2f}' for x in by_thread[:3])} s (load {load_before[0]:.2f})")
+          f"{args.max_tokens} output tokens each): the server process used {cpu:.2f} CPU s in "
+          f"{wall:.2f} s = {share:.1%} of a core, {cpu / args.num_requests * 1e3:.2f} ms per request; "
+          f"busiest threads {', '.join(f'{x:.2f}' for x in m['threads'][:3])} s (load {m['loadavg'][0][0]:.2f})")
+    if floor is not None:
+        f_cpu, f_wall = floor["cpu_s"], floor["wall_s"]
+        result["floor"] = {"cpu_s": f_cpu, "wall_s": f_wall, "cores": f_cpu / f_wall, "step_s": floor["step_s"],
+                           "cpu_ms_per_request": f_cpu / args.num_requests * 1e3,
+                           "achieved_request_throughput": floor["summary"]["request_throughput"],
+                           "loadavg": floor["loadavg"]}
+        result["vs_floor"] = cpu / f_cpu if f_cpu > 0 else None
+        print(f"floor (sse_floor.py: uvloop + httptools, one SSE event per token every {floor['step_s'] * 1e3:.1f} "
+              f"ms, no framework, no engine): {floor['summary']['request_throughput']:.1f} req/s, {f_cpu:.2f} CPU s = "
+              f"{f_cpu / f_wall:.1%} of a core, {f_cpu / args.num_requests * 1e3:.2f} ms per request; the simulated "
+              f"server costs {cpu / f_cpu:.1f}x the floor" if f_cpu > 0 else "floor: no CPU time measured")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -9,15 +9,16 @@ from core.cost.fit import ServedStep, StepCostEvaluator, phase_of, served_factor
 from core.cost.step_log import is_vllm_log, load_log, loop_step_seconds
 
 
-def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm: bool = False) -> list[ServedStep]:
+def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm: bool = False,
+              arrivals: list[dict] | None = None) -> list[ServedStep]:
     """(phase, seqs, tokens, grid model's prediction, logged seconds) per logged step: CPU
     seconds of the stepping thread for a CPU-basis profile, else wall seconds; of a vLLM log
     (`vllm`), a step's seconds run to the next step's schedule(), as `bench fit-vllm` fits
-    them (core.cost.step_log.loop_step_seconds)."""
+    them (core.cost.step_log.loop_step_seconds; `arrivals` tell its idle gaps)."""
     key = "cpu_s" if basis == "cpu" else "step_s"
     if vllm and key != "step_s":
         raise ValueError("a vLLM log has wall seconds only: its cost model is a wall-basis one")
-    timed = loop_step_seconds(steps) if vllm else [(s, s.get(key)) for s in steps]
+    timed = loop_step_seconds(steps, arrivals) if vllm else [(s, s.get(key)) for s in steps]
     rows = []
     for s, seconds in timed:
         batch = s["decision"]["batch"]
@@ -33,8 +34,8 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm:
 
 def log_step_rows(log: Path | str, evaluator: StepCostEvaluator, basis: str) -> list[ServedStep]:
     """`step_rows` of a step log file, vLLM's or ours."""
-    config, _, steps, _ = load_log(str(log))
-    return step_rows(steps, evaluator, basis, vllm=is_vllm_log(config))
+    config, arrivals, steps, _ = load_log(str(log))
+    return step_rows(steps, evaluator, basis, vllm=is_vllm_log(config), arrivals=arrivals)
 
 
 def served_ratio(model: dict, log: Path) -> tuple[float, float]:

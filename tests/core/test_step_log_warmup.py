@@ -80,3 +80,18 @@ def test_loop_seconds_run_to_the_next_schedule_and_skip_idle_gaps_and_the_last_s
     got = loop_step_seconds(steps)
     assert [s for s, _ in got] == [steps[0], steps[2]]       # step 1: 1.9 s idle after it; step 3: the last
     assert [sec for _, sec in got] == pytest.approx([0.06, 0.05])
+
+
+def test_loop_seconds_leave_out_a_gap_the_engine_waited_for_an_arrival_in():
+    steps = [{"t_start": 0.0, "t_end": 0.05, "step_s": 0.05, "decision": {"batch": [["a", 0, 5, 1, 1]]}},
+             {"t_start": 0.06, "t_end": 0.1, "step_s": 0.04, "decision": {"batch": [["a", 5, 1, 1, 1]]}},
+             {"t_start": 0.5, "t_end": 0.55, "step_s": 0.05, "decision": {"batch": [["b", 0, 5, 1, 1]]}},
+             {"t_start": 0.56, "t_end": 0.6, "step_s": 0.04, "decision": {"batch": [["b", 5, 1, 1, 1], ["c", 0, 2, 1, 1]]}},
+             {"t_start": 0.61, "t_end": 0.65, "step_s": 0.04, "decision": {"batch": [["b", 6, 1, 1, 1]]}}]
+    arrivals = [{"req_id": "a", "t": 0.0}, {"req_id": "b", "t": 0.49}, {"req_id": "c", "t": 0.555}]
+    got = loop_step_seconds(steps, arrivals)
+    # after step 1 the engine had nothing until b entered at 0.49: idle, left out; step 2 is
+    # followed by b's next step (and c, which came in the gap): busy
+    assert [s["t_start"] for s, _ in got] == [0.0, 0.5, 0.56]
+    assert [sec for _, sec in got] == pytest.approx([0.06, 0.06, 0.05])
+    assert len(loop_step_seconds(steps)) == 4                 # without arrivals: only the 1 s cap

@@ -26,3 +26,56 @@ def test_table_gives_each_rows_error_against_the_real_run_and_its_target():
     assert rows["p90 TTFT (ms)"].endswith("| +9.0% | ±10% ok |")
     assert rows["p90 TPOT (ms)"].endswith("| +11.0% | ±10% missed |")
     assert rows["request throughput (req/s)"].endswith("| n/a | ±5%  |")
+
+
+def test_simulate_cpu_measures_the_simulated_server_and_the_floor_in_one_run(tmp_path):
+    """`bench simulate-cpu --floor`: every request of both servers is answered (bench serve
+    parses the floor's stream as it does a real server's), and the CPU of each is measured."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    out = tmp_path / "cpu.json"
+    r = subprocess.run([sys.executable, "-m", "realexec", "bench", "simulate-cpu", "--rate", "20", "--num-requests",
+                        "30", "--max-tokens", "4", "--floor", "--out", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "the simulated server costs" in r.stdout and "x the floor" in r.stdout
+    result = json.loads(out.read_text())
+    assert result["achieved_request_throughput"] > 0 and result["server_cpu_s"] > 0
+    floor = result["floor"]
+    assert floor["cpu_s"] > 0 and floor["achieved_request_throughput"] > 0
+    assert floor["step_s"] == pytest.approx(max(result["median_tpot_ms"] / 1e3, 0.001), rel=1e-3)
+    assert result["vs_floor"] == pytest.approx(result["server_cpu_s"] / floor["cpu_s"])
+
+
+def test_the_floor_server_streams_openai_chunks_and_refuses_a_bad_body(tmp_path):
+    """The floor speaks just enough of the API for the load generator: a stream of
+    completion chunks of max_tokens tokens, [DONE], keep-alive; 400 for a body that is not
+    a JSON object."""
+    import json
+    import sys
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    from core.procs import free_port, serve_process
+
+    port = free_port()
+    script = Path(__file__).resolve().parents[3] / "realexec" / "bench" / "sse_floor.py"
+    with serve_process([sys.executable, str(script), str(port), "0.001"], port,
+                       tmp_path / "floor.log", ready_timeout=60) as s:
+        body = json.dumps({"model": "floor", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+        with urllib.request.urlopen(urllib.request.Request(s.url + "/v1/completions", body), timeout=10) as resp:
+            assert resp.headers["content-type"] == "text/event-stream"
+            events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) == 4
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+        with urllib.request.urlopen(s.url + "/v1/models", timeout=10) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == "floor"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(s.url + "/v1/completions", b"[1"), timeout=10)
+        assert e.value.code == 400

@@ -537,11 +537,11 @@ def test_a_calibration_prices_a_vllm_logs_steps_to_the_next_schedule_as_its_fit_
 
     model = fit_logs([str(PREEMPT), str(SERVED)])
     rows = log_step_rows(SERVED, StepCostEvaluator(model), "wall")
-    _, _, steps, _ = load_log(str(SERVED))
-    timed = loop_step_seconds(steps)
-    assert len(rows) == len(timed) == len(fit_samples(steps)) < len(steps)
+    _, arrivals, steps, _ = load_log(str(SERVED))
+    timed = loop_step_seconds(steps, arrivals)
+    assert len(rows) == len(timed) == len(fit_samples(steps, arrivals)) <= len(loop_step_seconds(steps)) < len(steps)
     assert [r.measured for r in rows] == pytest.approx([sec for _, sec in timed])
-    assert [r.measured for r in rows] == pytest.approx([s["step_s"] for s in fit_samples(steps)])
+    assert [r.measured for r in rows] == pytest.approx([s["step_s"] for s in fit_samples(steps, arrivals)])
     assert any(sec > s["step_s"] for s, sec in timed)
     with pytest.raises(ValueError, match="wall seconds only"):
         log_step_rows(SERVED, StepCostEvaluator(model), "cpu")
