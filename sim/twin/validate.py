@@ -60,8 +60,9 @@ JITTER_DRAWS = 16
 # its first ~7 requests (5 ms after), ours ~15 ms more for its first. Each real run sends
 # this many short requests at once first, and its step log is trimmed of them.
 WARMUP_REQUESTS = 4
-# Under 16 tokens with its 4 outputs: it fills no KV block, so a measured request can hit
-# nothing it left in the prefix cache and the trimmed log replays from an empty cache.
+# Under 16 tokens with its 4 outputs: it fills no KV block of 16 tokens or more, so a
+# measured request can hit nothing it left in the prefix cache and the trimmed log
+# replays from an empty cache.
 WARMUP_PROMPT = "Warm-up request {i}: say hello."
 WARMUP_TOKENS = 4
 
