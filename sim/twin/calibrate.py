@@ -18,6 +18,11 @@ copy of the profile with two more sections:
   * `client`: the median extra seconds between the engine making a request's first / last
     token (measured from when the request reached the server) and the client receiving
     it (HTTP in, streaming out); `sim validate` adds them to the simulated latencies.
+
+With `--real vllm --vllm-python PATH --model-dir DIR` the calibration runs are `vllm serve`'s
+(its scheduler's steps recorded; --load's flags are vllm serve's), and without
+--cost-model vLLM's step costs are first fitted on those served steps
+(`core.cost.vllm_fit`), then calibrated as above.
 """
 from __future__ import annotations
 
