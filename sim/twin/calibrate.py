@@ -37,6 +37,7 @@ from core.cost.fit import StepCostEvaluator, check_model, fit_served_scale, fit_
 from core.cost.step_log import first_visible_index, load_log, sample_times
 from sim.config import positive_int
 from sim.twin.served_steps import log_step_rows
+from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
 
 DEFAULT_PROFILE = "results/profile.json"
 DEFAULT_SKIP = 100          # calibration requests start here: past every validation slice in the README
@@ -81,13 +82,8 @@ def add_parser(sub) -> None:
                    help="step logs and bench results of the calibration runs (default: OUT's name + .runs/)")
     p.add_argument("--reuse-real", action="store_true", help="fit on the runs already in --work")
     add_warmup_argument(p)
-    p.add_argument("--real", choices=("twinserve", "vllm"), default="twinserve",
-                   help="the served engine: twinserve's `realexec serve`, or `vllm serve` from --vllm-python "
-                        "with its scheduler's steps recorded (--cost-model: `realexec bench fit-vllm`'s model of "
-                        "vLLM's steps; --load's engine args are vllm serve flags) (default: %(default)s)")
-    p.add_argument("--vllm-python", default=None, metavar="PATH", help="with --real vllm: python of vLLM's venv")
-    p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="with --real vllm: the model's fp32 HF directory (`python -m realexec export-hf --out DIR`)")
+    add_real_engine_arguments(p, "--cost-model is then a `realexec bench fit-vllm` model, and --load's engine "
+                                 "args are vllm serve flags")
 
 
 def client_delay_samples(log: Path, bench: dict) -> list[tuple[float, float]]:
@@ -185,11 +181,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         check_model(model, args.cost_model)
     if args.skip < 0:
         raise ValueError(f"--skip must be >= 0, got {args.skip}")
-    if args.real == "vllm" and not args.reuse_real:
-        from sim.twin.vllm_serve import check_python
-        check_python(args.vllm_python)
-        if not args.model_dir or not Path(args.model_dir).is_dir():
-            raise ValueError(f"--real vllm needs --model-dir, the model's HF directory (got {args.model_dir!r})")
+    check_real_engine(args)
     if args.real == "vllm" and not args.load:
         raise ValueError("--real vllm: give the calibration loads (--load RATE:N[:VLLM SERVE FLAGS]); the "
                          "default loads' flags are realexec serve's")

@@ -40,6 +40,7 @@ from pathlib import Path
 from sim.twin.rounds import (CALIBRATION, DESIGNS, PAIRINGS, VALIDATION, Slot, calibration_for, choose_pairing,
                         interior_calibration_runs, pairing_check, schedule)
 from sim.twin.validate import JITTER_DRAWS
+from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
 
 # name: (rate, requests, `realexec serve` flags); every scenario caps outputs at MAX_TOKENS
 SCENARIOS = {
@@ -266,12 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="use this `realexec profile` output instead of profiling first (with --real vllm: a "
                         "`realexec bench fit-vllm` model; by default vLLM's step costs are fitted on all the "
                         "calibration runs' steps, and each round's calibration scales that fit)")
-    p.add_argument("--real", choices=("twinserve", "vllm"), default="twinserve",
-                   help="the real engine: twinserve's `realexec serve`, or `vllm serve` from --vllm-python with its "
-                        "scheduler's steps recorded and the same loads in vLLM's flags (default: %(default)s)")
-    p.add_argument("--vllm-python", default=None, metavar="PATH", help="with --real vllm: python of vLLM's venv")
-    p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="with --real vllm: the model's fp32 HF directory (`python -m realexec export-hf --out DIR`)")
+    add_real_engine_arguments(p, "the same loads in vLLM's flags")
     p.add_argument("--repeats", type=int, default=2, help="profile repeats (default: %(default)s)")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     p.add_argument("--num-requests", action="append", default=[], metavar="SCENARIO=N",
@@ -307,14 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_calibration and args.profile is None:
             p.error("--real vllm --no-calibration needs --profile (a `realexec bench fit-vllm` model): without "
                     "calibration runs there are no served steps to fit vLLM's step costs on")
-        if not args.reuse_real:
-            from sim.twin.vllm_serve import check_python
-            try:
-                check_python(args.vllm_python)
-            except ValueError as e:
-                p.error(str(e))
-            if not args.model_dir or not os.path.isdir(args.model_dir):
-                p.error(f"--real vllm needs --model-dir, the model's HF directory (got {args.model_dir!r})")
+    try:
+        check_real_engine(args)
+    except ValueError as e:
+        p.error(str(e))
     from core.cost.fitted import load_cost_model_file
 
     out = Path(args.out)

@@ -47,6 +47,7 @@ from core.metrics import percentile
 from core.procs import realexec_server
 from core.cost.step_log import drop_warmup, first_visible_index, load_log, read_log, sample_times, write_record
 from sim.config import SimConfig, nonneg_int, positive_float, positive_int
+from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
 from traces.model import Trace, TraceRequest
 
 GiB = 1 << 30
@@ -84,13 +85,8 @@ def add_parser(sub) -> None:
     p.add_argument("--engine-args", default="", metavar="ARGS",
                    help="extra flags for `realexec serve` (or `vllm serve` with --real vllm), e.g. "
                         "\"--num-gpu-blocks 200 --max-num-seqs 16\"")
-    p.add_argument("--real", choices=("twinserve", "vllm"), default="twinserve",
-                   help="the real engine: twinserve's `realexec serve`, or `vllm serve` from --vllm-python with "
-                        "its scheduler's steps recorded (simulated with the vllm-v1 rules; fit --cost-model on "
-                        "vLLM's steps: `realexec bench fit-vllm`) (default: %(default)s)")
-    p.add_argument("--vllm-python", default=None, metavar="PATH", help="with --real vllm: python of vLLM's venv")
-    p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="with --real vllm: the model's fp32 HF directory (`python -m realexec export-hf --out DIR`)")
+    add_real_engine_arguments(p, "simulated with the vllm-v1 rules; fit --cost-model on vLLM's steps with "
+                                 "`sim calibrate --real vllm`")
     p.add_argument("--baseline-cost-model", default=None, metavar="FILE",
                    help="also simulate with this cost model (e.g. the profile before `sim calibrate`) "
                         "and report its errors next to --cost-model's")
@@ -456,11 +452,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from core.cost.fitted import FittedCostModel, load_cost_model_file
 
     FittedCostModel.from_file(args.cost_model, None)          # a bad file fails before any server starts
-    if getattr(args, "real", "twinserve") == "vllm" and not args.reuse_real:
-        from sim.twin.vllm_serve import check_python
-        check_python(args.vllm_python)
-        if not args.model_dir or not os.path.isdir(args.model_dir):
-            raise ValueError(f"--real vllm needs --model-dir, the model's HF directory (got {args.model_dir!r})")
+    check_real_engine(args)
     if getattr(args, "baseline_cost_model", None):
         FittedCostModel.from_file(args.baseline_cost_model, None)
     model = load_cost_model_file(args.cost_model)

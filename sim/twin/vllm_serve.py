@@ -44,6 +44,27 @@ DEFAULT_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+def add_real_engine_arguments(p, real_help: str) -> None:
+    """--real twinserve|vllm, --vllm-python, --model-dir: the served engine of `sim
+    validate`, `sim calibrate` and `sim.twin.tables` (`real_help`: what --real does there)."""
+    p.add_argument("--real", choices=("twinserve", "vllm"), default="twinserve",
+                   help="the real engine: twinserve's `realexec serve`, or `vllm serve` from --vllm-python with its "
+                        f"scheduler's steps recorded; {real_help} (default: %(default)s)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH", help="with --real vllm: python of vLLM's venv")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="with --real vllm: the model's fp32 HF directory (`python -m realexec export-hf --out DIR`)")
+
+
+def check_real_engine(args) -> None:
+    """With --real vllm (and runs to serve, not --reuse-real): ValueError unless
+    --vllm-python is an executable and --model-dir a directory."""
+    if getattr(args, "real", "twinserve") != "vllm" or args.reuse_real:
+        return
+    check_python(args.vllm_python)
+    if not args.model_dir or not os.path.isdir(args.model_dir):
+        raise ValueError(f"--real vllm needs --model-dir, the model's HF directory (got {args.model_dir!r})")
+
+
 def check_python(python: str | None) -> str:
     if not python:
         raise ValueError("--real vllm needs --vllm-python /path/to/vllm-venv/bin/python")
