@@ -66,6 +66,10 @@ COMMANDS: dict[str, Command | dict] = {
                            "realexec.bench.graphs:add_kernels_arguments", "realexec.bench.graphs:run_kernels"),
         "record-vllm": Command("vLLM's own scheduling decisions and step times as a step log (`sim replay` reads it)",
                                "realexec.bench.record_vllm:add_arguments", "realexec.bench.record_vllm:run"),
+        "profile-vllm": Command("time vLLM's steps over a grid (decodes at every batch size, prefills alone and "
+                                "mixed) and fit the simulator's step-cost model on them",
+                                "realexec.bench.record_vllm:add_profile_arguments",
+                                "realexec.bench.record_vllm:run_profile"),
         "fit-vllm": Command("fit the simulator's step-cost model on vLLM recordings (`bench record-vllm`)",
                             "realexec.bench.record_vllm:add_fit_arguments", "realexec.bench.record_vllm:run_fit"),
     },

@@ -21,8 +21,9 @@ calibrated prediction within a run, for a twin that reproduces that spread
 (`StepJitter`).
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
-step counts as much as a 200 ms prefill) and kept non-negative (more work never makes a
-step faster): a non-negative least squares fit (`fit_nonneg`, Lawson-Hanson).
+step counts as much as a 200 ms prefill) and the linear terms kept non-negative (more
+context never makes a step faster): a non-negative least squares fit (`fit_nonneg`,
+Lawson-Hanson), in which the table's bumps alone may take either sign (`fit_family`).
 """
 from __future__ import annotations
 
@@ -50,11 +51,13 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "tokens+seqs+pairs": ("one", "tokens", "seqs", "pairs"),
     "full": ("one", "tokens", "seqs", "context", "pairs"),
 }
-# The richest family: "full" plus a non-negative bump at each interior token count of the
-# profiled grid (a hat function: 1 at that count, 0 at its neighbours; see `hat`). On CPU
-# the dense layers' cost is not linear in the rows they multiply (SmolLM2 fp32: a 2- or
-# 3-sequence decode step costs 1.6-2x a 1-sequence one, a 4-sequence step less than a
-# 3-sequence one): the bumps model that, and outside the grid the model is the line.
+# The richest family: "full" plus a bump at each interior token count of the profiled grid
+# (a hat function: 1 at that count, 0 at its neighbours; see `hat`), of either sign. On CPU
+# the dense layers' cost is not linear, nor even monotone, in the rows they multiply (the
+# matmul library picks its kernel by the row count): SmolLM2 fp32 in our engine, a 2- or
+# 3-sequence decode step costs 1.6-2x a 1-sequence one and a 4-sequence step less than a
+# 3-sequence one; in vLLM's CPU backend, a 3- to 6-sequence decode step costs ~15% less
+# than a 1-sequence one. The bumps model that; outside the grid the model is the line.
 TABLE_FAMILY = "full+tokens-table"
 MAX_KNOTS = 24
 # A simpler family wins unless a richer one cuts the held-out error by more than this
@@ -158,11 +161,12 @@ def _least_squares(cols: Sequence[Sequence[float]], rhs: Sequence[float],
     return z
 
 
-def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float], signed: Iterable[int] = ()) -> list[float]:
     """Non-negative coefficients b minimising sum(((y - x.b) / y)^2): the non-negative least
     squares solution (Lawson & Hanson's active-set algorithm, "Solving Least Squares
     Problems", 1974, ch. 23), in pure Python for the core's few features. A column that is
-    all zeros, or a combination of the columns in the fit, gets coefficient 0.
+    all zeros, or a combination of the columns in the fit, gets coefficient 0. The columns
+    in `signed` may take either sign (each enters as itself and its negation, b = b+ - b-).
 
     The weighted problem (rows / y against ones, columns scaled to unit max) is reduced by
     one Householder QR to its k x k triangle, on which the active-set steps run, so a step
@@ -172,6 +176,9 @@ def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[floa
     if len(rows) != len(y):
         raise ValueError(f"fit_nonneg: {len(rows)} rows but {len(y)} step times")
     k = len(rows[0])
+    signed = sorted(set(signed))
+    if any(not 0 <= j < k for j in signed):
+        raise ValueError(f"fit_nonneg: signed columns {signed} out of range for {k} features")
     for i, (r, t) in enumerate(zip(rows, y)):
         if len(r) != k:
             raise ValueError(f"fit_nonneg: row {i} has {len(r)} features, row 0 has {k}")
@@ -179,17 +186,18 @@ def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[floa
             raise ValueError(f"fit_nonneg: row {i} has a non-finite feature: {list(r)}")
         if not (t > 0 and math.isfinite(t)):
             raise ValueError(f"step times must be > 0 to fit (and finite): sample {i} has {t!r}")
-    # weighted columns, scaled to unit max (all-zero ones left out)
+    # weighted columns, scaled to unit max (all-zero ones left out); a signed column's
+    # negation goes last (with sign -1), so QR meets it after the column itself
     cols, scale, live = [], [], []
-    for j in range(k):
-        c = [r[j] / t for r, t in zip(rows, y)]
+    for j, sign in [(j, 1.0) for j in range(k)] + [(j, -1.0) for j in signed]:
+        c = [sign * r[j] / t for r, t in zip(rows, y)]
         s = max(map(abs, c))
         if not math.isfinite(s):
             raise ValueError(f"fit_nonneg: feature {j} divided by its step time overflows (max {s})")
         if s > 0:
             cols.append([v / s for v in c])
-            scale.append(s)
-            live.append(j)
+            scale.append(sign * s)
+            live.append((j, sign))
     coef = [0.0] * k
     if not cols:
         return coef
@@ -197,8 +205,8 @@ def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[floa
     p = _householder(cols, rhs)
     # ||A x - 1||^2 == ||R x - d||^2 + (the part of 1 outside A's range): fit the triangle
     x = _nnls([c[:p] for c in cols], rhs[:p])
-    for i, j in enumerate(live):
-        coef[j] = x[i] / scale[i]
+    for i, (j, _sign) in enumerate(live):
+        coef[j] += x[i] / scale[i]
     return coef
 
 
@@ -258,6 +266,18 @@ def _nnls(cols: list[list[float]], d: list[float]) -> list[float]:
             x[j] = zj
 
 
+def fit_family(rows: Sequence[dict[str, float]], y: Sequence[float], features: Sequence[str]) -> list[float]:
+    """Coefficients of `features` on feature rows: the linear terms non-negative, the
+    table's bumps (k:<tokens>) of either sign, a fit with a bump pulling some sample's
+    prediction to <= 0 refitted with non-negative bumps (a step never costs nothing)."""
+    x = [[r[f] for f in features] for r in rows]
+    signed = [i for i, f in enumerate(features) if f.startswith("k:")]
+    coef = fit_nonneg(x, y, signed)
+    if signed and any(predict_linear(features, coef, r) <= 0 for r in rows):
+        coef = fit_nonneg(x, y)
+    return coef
+
+
 def predict_linear(features: Sequence[str], coef: Sequence[float], values: dict[str, float]) -> float:
     return sum(c * values[f] for f, c in zip(features, coef))
 
@@ -291,7 +311,7 @@ def cross_validate(rows: list[dict[str, float]], y: list[float], features: Seque
     """Held-out relative error of every sample: each fold is predicted by a fit on the others."""
     errs: list[float] = []
     for train, held in _splits(len(rows), k, seed):
-        coef = fit_nonneg([[rows[i][f] for f in features] for i in train], [y[i] for i in train])
+        coef = fit_family([rows[i] for i in train], [y[i] for i in train], features)
         errs += relative_errors([max(0.0, predict_linear(features, coef, rows[i])) for i in held],
                                 [y[i] for i in held])
     return errs
@@ -328,7 +348,7 @@ def fit_step_cost(samples: Sequence[dict], k: int = 5, seed: int = 0) -> dict:
             candidates = families(knots)
             family, report = choose_family(rows, y, k, seed, candidates)
             feats = candidates[family]
-            coef = fit_nonneg([[r[f] for f in feats] for r in rows], y)
+            coef = fit_family(rows, y, feats)
             entry = {"family": family, "features": list(feats), "coef": coef, "held_out": report}
             if family == TABLE_FAMILY:
                 entry["knots"] = knots
@@ -353,8 +373,8 @@ def held_out_step_error(samples: Sequence[dict], model: dict, k: int = 5, seed: 
             pred = [0.0] * len(held)
             for part in PARTS:
                 feats = model["parts"][part][phase]["features"]
-                coef = fit_nonneg([[rows[i][f] for f in feats] for i in train],
-                                  [max(chosen[i][f"{part}_s"], 1e-9) for i in train])
+                coef = fit_family([rows[i] for i in train], [max(chosen[i][f"{part}_s"], 1e-9) for i in train],
+                                  feats)
                 for j, i in enumerate(held):
                     pred[j] += max(0.0, predict_linear(feats, coef, rows[i]))
             errs += relative_errors(pred, [chosen[i]["execute_s"] + chosen[i]["overhead_s"] for i in held])

@@ -32,14 +32,18 @@ def _finite_items(name: str, values) -> None:
 
 
 class PartModel(msgspec.Struct):
-    """One part (execute or overhead) of one phase: a non-negative linear model of the
-    batch's sums (`features`, `coef`), with hinge features `k:<tokens>` at interior knots."""
+    """One part (execute or overhead) of one phase: a linear model of the batch's sums
+    (`features`, `coef`: non-negative), with bumps `k:<tokens>` at interior knots (either
+    sign: a table of corrections at the profiled token counts)."""
     features: list[str]
-    coef: list[NonNegative]
+    coef: list[float]
     knots: list[TokenCount] = []
 
     def __post_init__(self) -> None:
         _finite_items("coef", self.coef)
+        for i, (f, c) in enumerate(zip(self.features, self.coef)):
+            if c < 0 and not f.startswith("k:"):
+                raise ValueError(f"coef[{i}] ({f}) must be >= 0, got {c!r} (only the k:<tokens> bumps may be negative)")
         if any(a >= b for a, b in zip(self.knots, self.knots[1:])):
             raise ValueError(f"knots must be increasing token counts >= 1, got {self.knots}")
         if len(self.features) != len(self.coef):

@@ -89,6 +89,84 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
+# ----------------------------------------------------------------------------- a profile grid
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm-python", required=True, metavar="PATH", help="python of a venv with vLLM installed")
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="fp32 HF directory of the model (`python -m realexec export-hf --out DIR`)")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="cost-model JSON to write (what `sim run --cost-model` and `sim.twin.tables --real vllm "
+                        "--profile` read); the step log goes beside it as FILE.steps.jsonl")
+    p.add_argument("--trace", default="traces/sharegpt.json", help="text for the prompts (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=16, metavar="N",
+                   help="decode batch sizes 1..N, and vLLM's --max-num-seqs (default: %(default)s)")
+    p.add_argument("--steps-per-size", type=int, default=6, metavar="K",
+                   help="decode steps at each batch size (default: %(default)s)")
+    p.add_argument("--threads-bind", default="0",
+                   help="VLLM_CPU_OMP_THREADS_BIND (default: %(default)s, one compute core: how `sim validate "
+                        "--real vllm` serves on a 2-core machine)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up (default: %(default)s)")
+    p.add_argument("recorder_args", nargs=argparse.REMAINDER,
+                   help="after --: flags for the recorder, as the deployment runs vLLM, e.g. -- --enforce-eager "
+                        "--block-size 32")
+
+
+def token_pool(trace: str, tokens: int) -> list[int]:
+    """At least `tokens` prompt tokens of `trace`, request after request."""
+    pool: list[int] = []
+    skip = 0
+    while len(pool) < tokens:
+        try:
+            reqs = trace_requests(trace, 64, skip)
+        except ValueError:
+            raise ValueError(f"{trace}: its prompts have {len(pool)} tokens, the profile grid needs {tokens}") from None
+        for r in reqs:
+            pool += r["prompt_token_ids"]
+        skip += 64
+    return pool
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    import json
+
+    from core.cost.grid_workload import grid_tokens, profile_workload
+    from core.cost.vllm_fit import fit_logs
+    from realexec.bench.peer_table import check_python, vllm_env
+
+    python = check_python(args.vllm_python)
+    if args.max_num_seqs < 1 or args.steps_per_size < 1:
+        raise ValueError("--max-num-seqs and --steps-per-size must be >= 1")
+    if not os.path.isdir(args.model_dir):
+        raise ValueError(f"--model-dir {args.model_dir}: not a directory (make one with "
+                         f"`python -m realexec export-hf --out DIR`)")
+    reqs = profile_workload(token_pool(args.trace, grid_tokens(args.max_num_seqs)), args.max_num_seqs,
+                            args.steps_per_size)
+    log = f"{args.out}.steps.jsonl"
+    extra = [a for a in args.recorder_args if a != "--"]
+    env = vllm_env(args.threads_bind, 1)
+    with tempfile.TemporaryDirectory(prefix="twinserve-profile-vllm-") as tmp:
+        req_file = Path(tmp) / "requests.json"
+        req_file.write_text(json.dumps({"requests": reqs}))
+        cmd = [python, str(RECORDER), "--model", args.model_dir, "--requests", str(req_file), "--out", log,
+               "--max-num-seqs", str(args.max_num_seqs),
+               "--recorded-by", shlex.join([sys.executable, "-m", "realexec", *sys.argv[1:]])] + extra
+        try:
+            rc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"error: the vLLM recorder gave no result within {args.timeout:g} s", file=sys.stderr)
+            return 1
+    if rc:
+        return rc
+    model = fit_logs([log])
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(model, f, indent=1)
+    print(format_fit(model))
+    print(f"fitted on {len(model['samples'])} vLLM steps ({log}); wrote {args.out}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- fit on recorded steps
 
 def add_fit_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,8 +17,10 @@
     sequences (requests queue, and the KV pool runs out: preemptions).
 With `--real vllm --vllm-python PATH --model-dir DIR` the same design runs against `vllm
 serve` (the loads in vLLM's flags: VLLM_SCENARIOS), and the profile is vLLM's step costs
-fitted on every calibration run's served steps (`core.cost.vllm_fit`; or --profile, a
-`realexec bench fit-vllm` model), which each round's calibration scales.
+fitted (`core.cost.vllm_fit`) on the served steps of a grid run per scenario, served first
+(`sim.twin.grid_runs`: decode batches of every size up to the scenario's limit, which a
+trace slice does not visit), and of every calibration run (or --profile, a `realexec bench
+fit-vllm` / `profile-vllm` model); each round's calibration scales it.
 Writes `tables.md` (per scenario: the error of the mean prediction against the mean real
 run, the same at each validation run's own speed (the host term's oracle: the model priced
 at what the run's logged steps measured), each round's error, the same with one
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from sim.twin.rounds import (CALIBRATION, DESIGNS, PAIRINGS, VALIDATION, Slot, calibration_for, choose_pairing,
                         interior_calibration_runs, pairing_check, schedule)
+from sim.twin.grid_runs import Grid
 from sim.twin.validate import JITTER_DRAWS
 from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
 
@@ -55,6 +58,11 @@ VLLM_SCENARIOS = {
     "queueing": (4.0, 20, "--enforce-eager --block-size 32 --num-gpu-blocks-override 21 --max-model-len 640 "
                           "--max-num-seqs 8"),
 }
+# --real vllm: per scenario, one served grid run before the others (sim.twin.grid_runs): its
+# decode batches of every size up to the scenario's sequence limit (queueing: 8 sequences, 16
+# blocks of its 20 at once, no preemption), fitted together with the calibration runs.
+VLLM_GRIDS = {"light": Grid(16, 6, 512), "queueing": Grid(8, 4, 24)}
+GRID_SKIP = 300          # the grid's prompts: trace requests from here on (disjoint from both slices)
 MAX_TOKENS = 16
 CALIBRATION_SKIP, CALIBRATION_SEED = 100, 1
 
@@ -121,6 +129,25 @@ def serve_all(slots: list[Slot], serve, runs_dir: Path, reuse: bool = False) -> 
             machine_file.write_text(json.dumps(machine))
         runs[slot] = (log, json.loads(result.read_text()), machine)
     return runs
+
+
+def serve_grids(args: argparse.Namespace, runs_dir: Path) -> list[Path]:
+    """--real vllm: serve each scenario's grid run (VLLM_GRIDS) into runs_dir/grid-<scenario>
+    (with --reuse-real, take the ones there); their step logs."""
+    from sim.twin.grid_runs import serve_grid
+
+    logs = []
+    for name in args.scenarios:
+        d = runs_dir / f"grid-{name}"
+        if args.reuse_real:
+            if not (d / "real1.steps.jsonl").exists():
+                raise ValueError(f"--reuse-real: grid run {d} is missing (or give --profile)")
+        else:
+            print(f"[{time.strftime('%H:%M:%S')}] serving grid-{name}", file=sys.stderr, flush=True)
+            serve_grid(d, VLLM_GRIDS[name], args.trace, VLLM_SCENARIOS[name][2], "vllm", args.vllm_python,
+                       args.model_dir, GRID_SKIP)
+        logs.append(d / "real1.steps.jsonl")
+    return logs
 
 
 def session_rows(slots: list[Slot], runs: dict, profile: dict):
@@ -265,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default="traces/sharegpt.json", help="trace (default: %(default)s)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="use this `realexec profile` output instead of profiling first (with --real vllm: a "
-                        "`realexec bench fit-vllm` model; by default vLLM's step costs are fitted on all the "
-                        "calibration runs' steps, and each round's calibration scales that fit)")
+                        "`realexec bench fit-vllm` model; by default vLLM's step costs are fitted on a served "
+                        "grid run per scenario and all the calibration runs' steps, and each round's calibration "
+                        "scales that fit)")
     add_real_engine_arguments(p, "the same loads in vLLM's flags")
     p.add_argument("--repeats", type=int, default=2, help="profile repeats (default: %(default)s)")
     p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
@@ -324,12 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     def serve(slot: Slot, folder: Path):
         return run_real(serve_args(slot, args.trace, args.calibration_skip, sizes, args.real, args.vllm_python,
                                    args.model_dir), folder, 1)
+    grid_logs = []
+    if profile is None:            # vLLM: a served grid run per scenario first
+        grid_logs = serve_grids(args, out / "runs")
     runs = serve_all(slots, serve, out / "runs", args.reuse_real)
-    if profile is None:            # vLLM: its step costs fitted on every calibration run's served steps
+    if profile is None:            # vLLM: its step costs fitted on the grid runs' and every calibration run's steps
         from core.cost.vllm_fit import fit_logs
 
         profile = str(out / "vllm-fit.json")
-        fitted = fit_logs([str(runs[s][0]) for s in slots if s.role == CALIBRATION])
+        fitted = fit_logs([str(log) for log in grid_logs] + [str(runs[s][0]) for s in slots if s.role == CALIBRATION])
         Path(profile).write_text(json.dumps(fitted))
     model = load_cost_model_file(profile)
     pairing, check = (None, {}) if args.no_calibration else pick_pairing(slots, runs, model, args.pairing)
@@ -337,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, profile {profile}, "
              f"{args.rounds} rounds, {args.design if pairing else 'uncalibrated'}"
              + (f", pairing: {pairing}" if pairing else "") + ")", "",
-             "served in this order: " + " ".join(s.name for s in slots), ""]
+             "served in this order: " + " ".join([f"grid-{name}" for name in args.scenarios if grid_logs]
+                                                 + [s.name for s in slots]), ""]
     if pairing:
         held = [s.name for s in interior_calibration_runs(slots)]
         parts += [f"Calibration slice: trace requests from #{args.calibration_skip}, seed {CALIBRATION_SEED}; "

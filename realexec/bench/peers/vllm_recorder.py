@@ -34,8 +34,13 @@ cached-but-free prefix blocks count as free, as in vLLM). The step record's "vll
 adds: new requests, their prefix-cache hits, resumed ones, the ids finished, free blocks.
 `cache.num_gpu_blocks` is vLLM's usable count (its total minus the null block).
 
-requests.json: {"requests": [{"prompt_token_ids": [...], "max_tokens": N, "req_id": optional}]}.
-Every request is greedy with EOS ignored, so it generates exactly max_tokens tokens.
+requests.json: {"requests": [{"prompt_token_ids": [...], "max_tokens": N, "req_id": optional,
+"at_step": optional}]}. Every request is greedy with EOS ignored, so it generates exactly
+max_tokens tokens. Without "at_step" all are submitted at once (one generate() call, an
+offline batch); with it (on every request) the engine is stepped here and a request enters
+before the engine's step number at_step (0-based; an idle engine skips ahead to the next
+arrival): how `bench profile-vllm` lays out its grid (decodes at every batch size,
+prefills alone and into running batches).
 
 Exit status: 0 done; 2 bad arguments or requests file (one line on stderr); 3 vllm
 cannot be imported by this interpreter.
@@ -329,7 +334,41 @@ def read_requests(path: str) -> list[dict]:
                 or not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"{path}: request {i}: expected a non-empty 'prompt_token_ids' list of token ids "
                              f"and an integer 'max_tokens' >= 1")
+        k = r.get("at_step")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"{path}: request {i}: 'at_step' must be an integer >= 0, got {k!r}")
+    timed = sum(1 for r in items if r.get("at_step") is not None)
+    if timed not in (0, len(items)):
+        raise ValueError(f"{path}: {timed} of {len(items)} requests have 'at_step': give it to every request or none")
     return items
+
+
+def arrival_plan(requests: list[dict]) -> list[tuple[int, list[int]]]:
+    """[(step, indices of the requests entering before it)] in step order (requests with
+    "at_step"; file order within a step)."""
+    plan: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        plan.setdefault(r["at_step"], []).append(i)
+    return sorted(plan.items())
+
+
+def run_stepped(engine, requests: list[dict], params) -> int:
+    """Step vLLM's LLMEngine by hand, adding each request before its step (an engine with
+    nothing to do jumps to the next arrival); returns the steps run."""
+    plan = arrival_plan(requests)
+    step = nxt = 0
+    while nxt < len(plan) or engine.has_unfinished_requests():
+        if nxt < len(plan) and not engine.has_unfinished_requests():
+            step = max(step, plan[nxt][0])
+        while nxt < len(plan) and plan[nxt][0] <= step:
+            for i in plan[nxt][1]:
+                r = requests[i]
+                engine.add_request(str(r.get("req_id", i)), {"prompt_token_ids": r["prompt_token_ids"]},
+                                   params([r])[0])
+            nxt += 1
+        engine.step()
+        step += 1
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     rec.t0 = time.monotonic()
     rec.on = True
-    llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests], params(requests), use_tqdm=False)
+    if requests[0].get("at_step") is None:
+        llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests], params(requests), use_tqdm=False)
+    else:
+        run_stepped(llm.llm_engine, requests, params)
     rec.on = False
     command = [sys.executable, os.path.abspath(__file__)] + argv
     config = rec.config_record(getattr(vllm, "__version__", "unknown"), command, args.model)

@@ -34,7 +34,8 @@ def _bad(model: dict, edit) -> dict:
 
 @pytest.mark.parametrize("edit,message", [
     (lambda m: m["parts"]["execute"]["prefill"]["coef"].__setitem__(0, -1e-3),
-     "Expected `float` >= 0.0 - at `$.parts.execute.prefill.coef[0]`"),
+     "coef[0] (one) must be >= 0, got -0.001 (only the k:<tokens> bumps may be negative) "
+     "- at `$.parts.execute.prefill`"),
     (lambda m: m["parts"]["overhead"]["decode"]["coef"].__setitem__(0, math.inf),
      "coef[0] must be finite, got inf - at `$.parts.overhead.decode`"),
     (lambda m: m["parts"]["overhead"]["decode"]["coef"].__setitem__(0, "1e-3"),
