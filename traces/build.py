@@ -83,6 +83,30 @@ def load_smollm2_tokenizer(cache: bool = True) -> SmolLM2Tokenizer:
     return SmolLM2Tokenizer(tokenizer, name)
 
 
+def prompt_token_pool(path: str | Path, tokens: int, skip: int = 0) -> list[int]:
+    """At least `tokens` prompt token ids of the trace at `path`, request after request
+    from its `skip`-th (text prompts tokenized with SmolLM2's tokenizer): real text to cut
+    prompt windows from (the profile grids of core.cost.grid_workload). TraceError when
+    the trace's prompts are too few."""
+    from .formats import load_trace
+
+    pool: list[int] = []
+    tokenizer = None
+    for r in list(load_trace(path).requests)[skip:]:
+        ids = r.prompt_token_ids
+        if ids is None:
+            if r.prompt is None:
+                continue
+            if tokenizer is None:
+                tokenizer = load_smollm2_tokenizer()
+            enc = tokenizer.encode(r.prompt)
+            ids = getattr(enc, "ids", enc)
+        pool += [int(t) for t in ids]
+        if len(pool) >= tokens:
+            return pool
+    raise TraceError(f"{path}: its prompts from request {skip} on have {len(pool)} tokens, {tokens} are needed")
+
+
 def build_command(n: int, rate: float, seed: int, max_prompt_len: int, max_total_len: int,
                   input_path: str | Path | None = None) -> str:
     """The canonical command that rebuilds the file (recorded in it; --out excluded

@@ -112,27 +112,13 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                         "--block-size 32")
 
 
-def token_pool(trace: str, tokens: int) -> list[int]:
-    """At least `tokens` prompt tokens of `trace`, request after request."""
-    pool: list[int] = []
-    skip = 0
-    while len(pool) < tokens:
-        try:
-            reqs = trace_requests(trace, 64, skip)
-        except ValueError:
-            raise ValueError(f"{trace}: its prompts have {len(pool)} tokens, the profile grid needs {tokens}") from None
-        for r in reqs:
-            pool += r["prompt_token_ids"]
-        skip += 64
-    return pool
-
-
 def run_profile(args: argparse.Namespace) -> int:
     import json
 
     from core.cost.grid_workload import grid_tokens, profile_workload
     from core.cost.vllm_fit import fit_logs
     from realexec.bench.peer_table import check_python, vllm_env
+    from traces.build import prompt_token_pool
 
     python = check_python(args.vllm_python)
     if args.max_num_seqs < 1 or args.steps_per_size < 1:
@@ -140,7 +126,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model_dir):
         raise ValueError(f"--model-dir {args.model_dir}: not a directory (make one with "
                          f"`python -m realexec export-hf --out DIR`)")
-    reqs = profile_workload(token_pool(args.trace, grid_tokens(args.max_num_seqs)), args.max_num_seqs,
+    reqs = profile_workload(prompt_token_pool(args.trace, grid_tokens(args.max_num_seqs)), args.max_num_seqs,
                             args.steps_per_size)
     log = f"{args.out}.steps.jsonl"
     extra = [a for a in args.recorder_args if a != "--"]

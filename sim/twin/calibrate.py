@@ -22,7 +22,9 @@ copy of the profile with two more sections:
 With `--real vllm --vllm-python PATH --model-dir DIR` the calibration runs are `vllm serve`'s
 (its scheduler's steps recorded; --load's flags are vllm serve's), and without
 --cost-model vLLM's step costs are first fitted on those served steps
-(`core.cost.vllm_fit`), then calibrated as above.
+(`core.cost.vllm_fit`), then calibrated as above. `--grid` adds served grid runs to that
+fit (`sim.twin.grid_runs`: a staircase of requests sent at once, so that the fit sees every
+decode batch size up to a limit, which a trace slice at one load does not visit).
 """
 from __future__ import annotations
 
@@ -57,6 +59,21 @@ def parse_load(text: str) -> dict:
     return {"rate": rate, "num_requests": n, "engine_args": parts[2] if len(parts) > 2 else ""}
 
 
+def parse_grid(text: str) -> dict:
+    """'SEQS:STEPS:MAX_PROMPT[:ENGINE ARGS]' -> {'grid': Grid, 'engine_args'}."""
+    from sim.twin.grid_runs import Grid
+
+    parts = text.split(":", 3)
+    try:
+        grid = Grid(int(parts[0]), int(parts[1]), int(parts[2]))
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"--grid {text!r}: expected SEQS:STEPS:MAX_PROMPT[:ENGINE ARGS], e.g. "
+                                         f"'8:4:24:--block-size 32'") from None
+    if min(grid) < 1:
+        raise argparse.ArgumentTypeError(f"--grid {text!r}: SEQS, STEPS and MAX_PROMPT must be >= 1")
+    return {"grid": grid, "engine_args": parts[3] if len(parts) > 3 else ""}
+
+
 def add_parser(sub) -> None:
     from sim.twin.validate import add_warmup_argument
 
@@ -72,6 +89,11 @@ def add_parser(sub) -> None:
     p.add_argument("--load", type=parse_load, action="append", metavar="RATE:N[:ENGINE ARGS]",
                    help="a calibration run: N requests at RATE req/s, optional `realexec serve` flags; "
                         "repeat for several loads (default: 0.5:30 and 4:20:--num-gpu-blocks 40 --max-num-seqs 8)")
+    p.add_argument("--grid", type=parse_grid, action="append", default=[],
+                   metavar="SEQS:STEPS:MAX_PROMPT[:ENGINE ARGS]",
+                   help="--real vllm, no --cost-model: also serve a grid run (SEQS requests at once with prompts "
+                        "of 8..MAX_PROMPT tokens, decoding SEQS..1 sequences for STEPS steps each; size it so "
+                        "that the deployment's KV pool holds them all) and fit on its steps too; repeatable")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP, metavar="K",
                    help="leave out the trace's first K requests (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="arrival seed (default: %(default)s)")
@@ -185,6 +207,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.real == "vllm" and not args.load:
         raise ValueError("--real vllm: give the calibration loads (--load RATE:N[:VLLM SERVE FLAGS]); the "
                          "default loads' flags are realexec serve's")
+    if args.grid and (args.real != "vllm" or model is not None):
+        raise ValueError("--grid serves runs for fitting vLLM's step costs: it needs --real vllm and no --cost-model "
+                         "(our engine's grid is `python -m realexec profile`)")
     loads = args.load or [parse_load(t) for t in DEFAULT_LOADS]
     work = Path(args.work or f"{args.out}.runs")
     work.mkdir(parents=True, exist_ok=True)
@@ -206,13 +231,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         runs.append((log, json.loads(result.read_text())))
     if model is None:
         from core.cost.vllm_fit import fit_logs
+        from sim.twin.grid_runs import serve_grid
 
-        model = fit_logs([str(log) for log, _ in runs], args.folds)
-        print(f"fitted vLLM's step costs on {len(model['samples'])} served steps of the calibration runs",
-              flush=True)
+        grid_logs = []
+        for i, g in enumerate(args.grid, 1):
+            folder = work / f"grid{i}"
+            if args.reuse_real:
+                if not (folder / "real1.steps.jsonl").exists():
+                    raise ValueError(f"--reuse-real: grid run {i} is not in {folder}/")
+            else:
+                print(f"grid run {i}/{len(args.grid)}: {g['grid'].max_seqs} requests at once "
+                      f"{shlex.quote(g['engine_args']) if g['engine_args'] else ''}", file=sys.stderr, flush=True)
+                serve_grid(folder, g["grid"], args.trace, g["engine_args"], "vllm", args.vllm_python, args.model_dir,
+                           args.skip + max(load["num_requests"] for load in loads))
+            grid_logs.append(str(folder / "real1.steps.jsonl"))
+        model = fit_logs(grid_logs + [str(log) for log, _ in runs], args.folds)
+        print(f"fitted vLLM's step costs on {len(model['samples'])} served steps of the "
+              + (f"{len(grid_logs)} grid and " if grid_logs else "") + "calibration runs", flush=True)
     out = calibrate(model, runs, folds=args.folds)
     out["calibration"] = {"real": args.real, "trace": args.trace, "skip": args.skip, "seed": args.seed,
                           "max_tokens_cap": args.max_tokens_cap, "loads": loads,
+                          "grids": [dict(g, grid=g["grid"]._asdict()) for g in args.grid],
                           "profile": args.cost_model or "fitted on the calibration runs"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:

@@ -24,30 +24,6 @@ class Grid(NamedTuple):
     max_prompt: int
 
 
-def prompt_pool(trace: str, tokens: int, skip: int = 0) -> list[int]:
-    """At least `tokens` prompt token ids from `trace`'s requests, from the `skip`-th on
-    (text prompts tokenized with SmolLM2's tokenizer)."""
-    from traces import load_trace
-
-    trace_obj = load_trace(trace)
-    pool: list[int] = []
-    tokenizer = None
-    for r in list(trace_obj.requests)[skip:]:
-        ids = r.prompt_token_ids
-        if ids is None:
-            if r.prompt is None:
-                continue
-            if tokenizer is None:
-                from traces.build import load_smollm2_tokenizer
-                tokenizer = load_smollm2_tokenizer()
-            enc = tokenizer.encode(r.prompt)
-            ids = getattr(enc, "ids", enc)
-        pool += [int(t) for t in ids]
-        if len(pool) >= tokens:
-            return pool
-    raise ValueError(f"{trace}: its prompts from request {skip} on have {len(pool)} tokens, the grid needs {tokens}")
-
-
 def write_grid_trace(path: Path, grid: Grid, pool: list[int]) -> int:
     """The staircase as a trace file (every request at t=0); returns its request count."""
     from core.cost.grid_workload import staircase
@@ -74,9 +50,15 @@ def serve_grid(folder: Path, grid: Grid, source_trace: str, engine_args: str, re
     """Serve the grid once into `folder` -> run_real's (step log, bench result, machine)."""
     from core.cost.grid_workload import staircase_prompts
     from sim.twin.validate import run_real
+    from traces.build import prompt_token_pool
+
+    from traces import TraceError
 
     folder.mkdir(parents=True, exist_ok=True)
     trace = folder / "grid.json"
-    write_grid_trace(trace, grid, prompt_pool(source_trace, sum(staircase_prompts(grid.max_seqs, grid.max_prompt)),
-                                              skip))
+    try:
+        pool = prompt_token_pool(source_trace, sum(staircase_prompts(grid.max_seqs, grid.max_prompt)), skip)
+    except TraceError as e:
+        raise ValueError(f"the grid run's prompts: {e}") from None
+    write_grid_trace(trace, grid, pool)
     return run_real(grid_args(grid, trace, engine_args, real, vllm_python, model_dir), folder, 1)

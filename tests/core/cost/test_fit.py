@@ -10,11 +10,11 @@ import random
 
 import numpy as np
 import pytest
-from scipy.optimize import nnls       # the dev extra's reference NNLS
+from scipy.optimize import lsq_linear, nnls       # the dev extra's references
 
-from core.cost.fit import (MIN_BUCKET_STEPS, SIMPLER_TOLERANCE, TABLE_FAMILY, ServedStep, choose_family,
-                           families, feature_values, fit_nonneg, served_factor, served_factors, shape_of,
-                           table_knots)
+from core.cost.fit import (MIN_BUCKET_STEPS, SIMPLER_TOLERANCE, TABLE_FAMILY, ServedStep, StepCostEvaluator,
+                           choose_family, families, feature_values, fit_family, fit_nonneg, fit_step_cost,
+                           predict_linear, served_factor, served_factors, shape_of, table_knots)
 
 
 # ----------------------------------------------------------------------------- problems
@@ -171,6 +171,81 @@ def test_zero_and_copied_columns_get_zero_and_change_nothing():
     assert _objective(rows, y, base) == pytest.approx(_objective([r + [0.0, r[2], r[1] + r[2]] for r in rows],
                                                                  y, wide), rel=1e-9)
     assert fit_nonneg([[0.0, 0.0]] * 3, [1.0, 2.0, 3.0]) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_signed_columns_reach_the_bounded_least_squares_optimum_scipy_finds(seed):
+    """With the table's bumps signed (the five linear features still >= 0): the same
+    objective as scipy's bounded least squares (BVLS), never worse."""
+    rows, y = table_problem(seed)
+    signed = list(range(5, len(rows[0])))
+    coef = fit_nonneg(rows, y, signed)
+    assert all(c >= 0 for c in coef[:5]), coef
+    a = np.asarray(rows, dtype=float) / np.asarray(y, dtype=float)[:, None]
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    lower = [0.0 if j < 5 else -np.inf for j in range(len(rows[0]))]
+    ref = lsq_linear(a / scale, np.ones(len(y)), bounds=(lower, np.inf), method="bvls", tol=1e-12).x / scale
+    ours, theirs = _objective(rows, y, coef), _objective(rows, y, list(ref))
+    assert ours <= theirs * (1 + 1e-7) + 1e-15, (seed, ours, theirs)
+
+
+def _dip_samples() -> list[dict]:
+    """Decode steps of 1..8 sequences shaped like vLLM's CPU backend's served steps: 2
+    sequences the slowest, 3-6 faster than 1 (ms per batch size), a little context cost."""
+    ms = {1: 52.0, 2: 62.0, 3: 46.0, 4: 45.0, 5: 45.0, 6: 46.0, 7: 50.0, 8: 55.0}
+    out = []
+    for n, t in ms.items():
+        for ctx in (20, 200, 400):
+            seqs, tokens, context, pairs = shape_of([ctx] * n, [1] * n)
+            step = t / 1e3 + 2e-8 * context
+            out.append({"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
+                        "execute_s": step * 0.98, "overhead_s": step * 0.02})
+    for p in (16, 32, 64, 128, 256, 512):          # prefills (a model has both phases)
+        seqs, tokens, context, pairs = shape_of([0], [p])
+        step = 0.04 + 2.5e-4 * p
+        out.append({"seqs": seqs, "tokens": tokens, "context": context, "pairs": pairs,
+                    "execute_s": step * 0.98, "overhead_s": step * 0.02})
+    return out
+
+
+def test_a_table_fits_batch_sizes_that_are_cheaper_than_a_single_sequence():
+    """A step cost that falls from 1 to 3-6 sequences (the matmul kernel changes with the
+    row count) is priced within 2% at every batch size; with bumps held non-negative no fit
+    prices them all within 5%."""
+    samples = _dip_samples()
+    model = fit_step_cost(samples)
+    assert model["parts"]["execute"]["decode"]["family"] == TABLE_FAMILY
+    ev = StepCostEvaluator(model)
+    samples = [s for s in samples if s["seqs"] == s["tokens"]]          # the decodes
+    for s in samples:
+        want = s["execute_s"] + s["overhead_s"]
+        assert ev.step_time(s["seqs"], s["tokens"], s["context"], s["pairs"]) == pytest.approx(want, rel=0.02), s
+    knots = table_knots(s["tokens"] for s in samples)
+    feats = families(knots)[TABLE_FAMILY]
+    rows = [feature_values(s["seqs"], s["tokens"], s["context"], s["pairs"], knots) for s in samples]
+    y = [s["execute_s"] for s in samples]
+    unsigned = fit_nonneg([[r[f] for f in feats] for r in rows], y)
+    # without negative bumps the 1-sequence step (the table's end, on the line) and the
+    # cheaper 3-6-sequence ones cannot all be priced: one of them is off by > 5%
+    assert max(abs(predict_linear(feats, unsigned, r) / t - 1) for r, t in zip(rows, y)) > 0.05
+
+
+def test_a_bump_that_would_price_a_sample_at_or_below_zero_is_refused():
+    """fit_family falls back to non-negative bumps when the signed optimum prices one of
+    its own samples at <= 0 (a step never costs nothing)."""
+    feats = ("one", "k:2")
+    rows = [{"one": 1.0, "k:2": 1.0}, {"one": 1.0, "k:2": 1.5}, {"one": 1.0, "k:2": 0.0}]
+    y = [1e-3, 10.0, 10.0]
+    signed = fit_nonneg([[r[f] for f in feats] for r in rows], y, [1])
+    assert predict_linear(feats, signed, rows[1]) <= 0           # what the guard is for
+    coef = fit_family(rows, y, feats)
+    assert coef[1] >= 0 and all(predict_linear(feats, coef, r) > 0 for r in rows), coef
+
+
+def test_signed_column_indices_out_of_range_are_refused():
+    with pytest.raises(ValueError, match=r"signed columns \[2\] out of range for 2 features"):
+        fit_nonneg([[1.0, 2.0]], [1.0], [2])
 
 
 def test_exact_data_is_recovered():

@@ -32,6 +32,18 @@ def _bad(model: dict, edit) -> dict:
     return bad
 
 
+def test_only_the_tables_bumps_may_be_negative(model):
+    """A negative k:<tokens> bump is a table correction (a batch size cheaper than the line
+    through its neighbours) and loads; a negative linear term is refused."""
+    bumped = copy.deepcopy(model)
+    entry = bumped["parts"]["execute"]["decode"]
+    entry.update(features=entry["features"] + ["k:4"], coef=entry["coef"] + [-1e-3], knots=[1, 4, 8])
+    check_model(bumped, "p.json")
+    entry["coef"][0] = -1e-9
+    with pytest.raises(ValueError, match=r"coef\[0\] \(one\) must be >= 0"):
+        check_model(bumped, "p.json")
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda m: m["parts"]["execute"]["prefill"]["coef"].__setitem__(0, -1e-3),
      "coef[0] (one) must be >= 0, got -0.001 (only the k:<tokens> bumps may be negative) "

@@ -269,6 +269,58 @@ def test_config_record_and_written_log_load_as_a_step_log(tmp_path):
         [r for r in rec.records if r["kind"] == "step"])
 
 
+def _requests_file(tmp_path, items) -> str:
+    path = tmp_path / "requests.json"
+    path.write_text(json.dumps({"requests": items}))
+    return str(path)
+
+
+@pytest.mark.parametrize("steps, match", [
+    ([0, -1], r"request 1: 'at_step' must be an integer >= 0, got -1"),
+    ([0, True], r"request 1: 'at_step' must be an integer >= 0, got True"),
+    ([0, None], r"1 of 2 requests have 'at_step': give it to every request or none"),
+])
+def test_a_requests_file_with_bad_arrival_steps_is_refused_with_where(tmp_path, steps, match):
+    items = [{"prompt_token_ids": [1, 2], "max_tokens": 1, **({} if k is None else {"at_step": k})} for k in steps]
+    with pytest.raises(ValueError, match=match):
+        vr.read_requests(_requests_file(tmp_path, items))
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as run_stepped drives it: each step decodes one token of every
+    request in it; a request leaves when it has its max_tokens."""
+
+    def __init__(self):
+        self.live, self.log, self.steps = {}, [], 0
+
+    def add_request(self, request_id, prompt, params):
+        self.log.append((self.steps, request_id, len(prompt["prompt_token_ids"])))
+        self.live[request_id] = params.max_tokens
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        assert self.live, "stepped with nothing to do"
+        self.steps += 1
+        self.live = {r: m - 1 for r, m in self.live.items() if m > 1}
+
+
+def test_stepped_recording_adds_each_request_before_its_step_and_skips_idle_steps():
+    reqs = [{"prompt_token_ids": [1] * 3, "max_tokens": 4, "at_step": 0},
+            {"prompt_token_ids": [2] * 5, "max_tokens": 1, "at_step": 2},
+            {"prompt_token_ids": [3] * 7, "max_tokens": 2, "at_step": 2},
+            {"prompt_token_ids": [4] * 9, "max_tokens": 1, "at_step": 20, "req_id": "late"}]
+    assert vr.arrival_plan(reqs) == [(0, [0]), (2, [1, 2]), (20, [3])]
+    engine = FakeEngine()
+    params = lambda rs: [SimpleNamespace(max_tokens=r["max_tokens"]) for r in rs]   # noqa: E731
+    ran = vr.run_stepped(engine, reqs, params)
+    # the engine's step count when each entered: 0, then 2 and 2 (while request 0 decodes),
+    # then the idle engine's next step (4 steps ran: the plan's step 20 is the 5th)
+    assert engine.log == [(0, "0", 3), (2, "1", 5), (2, "2", 7), (4, "late", 9)]
+    assert engine.steps == 5 and ran == 21 and not engine.live
+
+
 def test_recorder_places_an_arrival_between_a_schedule_and_an_update(tmp_path):
     """Under async scheduling vLLM schedules a step before the previous one lands: an arrival
     then records the batches scheduled and those landed, and the config says async."""
@@ -551,6 +603,8 @@ def test_a_calibration_prices_a_vllm_logs_steps_to_the_next_schedule_as_its_fit_
     ([], "--real vllm needs --vllm-python"),
     (["--vllm-python", sys.executable], "--real vllm needs --model-dir"),
     (["--vllm-python", sys.executable, "--model-dir", "."], "give the calibration loads"),
+    (["--vllm-python", sys.executable, "--model-dir", ".", "--load", "2:8", "--grid", "8:4:24"],
+     "--grid serves runs for fitting vLLM's step costs: it needs --real vllm and no --cost-model"),
 ])
 def test_calibrate_against_vllm_says_what_it_needs(extra, message, tmp_path, capsys):
     from core.cost.vllm_fit import fit_logs
@@ -561,3 +615,60 @@ def test_calibrate_against_vllm_says_what_it_needs(extra, message, tmp_path, cap
     assert main(["calibrate", "traces/sharegpt.json", "--real", "vllm", "--cost-model", str(cost),
                  "--out", str(tmp_path / "out.json"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grid, message", [
+    ("8:4", "--grid '8:4': expected SEQS:STEPS:MAX_PROMPT[:ENGINE ARGS]"),
+    ("0:4:24", "--grid '0:4:24': SEQS, STEPS and MAX_PROMPT must be >= 1"),
+])
+def test_a_malformed_grid_is_a_usage_error_that_says_the_form(grid, message, capsys):
+    from sim.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "traces/sharegpt.json", "--grid", grid])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _bench_from_log(log: Path) -> dict:
+    """A bench result consistent with a served log: each request's client saw its tokens 5 ms
+    after the engine made them (the fields `sim calibrate` reads)."""
+    from core.cost.step_log import sample_times
+
+    _, arrivals, steps, _ = load_log(str(log))
+    arrivals.sort(key=lambda a: a.get("t_arrival", a["t"]))
+    times = sample_times(steps)
+    out = {"ttfts": [], "itls": [], "input_lens": [], "output_lens": [], "errors": []}
+    for a in arrivals:
+        t, t0 = times[a["req_id"]], a.get("t_arrival", a["t"])
+        out["ttfts"].append(t[0] - t0 + 0.005)
+        out["itls"].append([b - a_ for a_, b in zip(t, t[1:])])
+        out["input_lens"].append(len(a["prompt_token_ids"]))
+        out["output_lens"].append(len(t))
+        out["errors"].append("")
+    return out
+
+
+def test_calibrate_fits_vllms_step_costs_on_its_grid_runs_and_calibration_runs(tmp_path, capsys):
+    """`sim calibrate --real vllm --grid ...` (here on runs already served: --reuse-real) fits
+    on the grid run's steps and the calibration run's together."""
+    from core.cost.vllm_fit import fit_samples
+    from sim.cli import main
+
+    work = tmp_path / "work"
+    (work / "grid1").mkdir(parents=True)
+    (work / "grid1" / "real1.steps.jsonl").write_text(PREEMPT.read_text())      # stands in for a grid run
+    (work / "real1.steps.jsonl").write_text(SERVED.read_text())
+    (work / "real1.bench.json").write_text(json.dumps(_bench_from_log(SERVED)))
+    assert main(["calibrate", "traces/sharegpt.json", "--real", "vllm", "--vllm-python", sys.executable,
+                 "--model-dir", ".", "--load", "2:16", "--grid", "8:4:24:--block-size 32", "--reuse-real",
+                 "--work", str(work), "--out", str(tmp_path / "cal.json")]) == 0
+    n = sum(len(fit_samples(*[load_log(str(p))[i] for i in (2, 1)])) for p in (PREEMPT, SERVED))
+    assert f"fitted vLLM's step costs on {n} served steps of the 1 grid and calibration runs" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "cal.json").read_text())
+    assert saved["calibration"]["grids"] == [{"grid": {"max_seqs": 8, "steps_per_size": 4, "max_prompt": 24},
+                                              "engine_args": "--block-size 32"}]
+    (work / "grid1" / "real1.steps.jsonl").unlink()
+    assert main(["calibrate", "traces/sharegpt.json", "--real", "vllm", "--vllm-python", sys.executable,
+                 "--model-dir", ".", "--load", "2:16", "--grid", "8:4:24", "--reuse-real",
+                 "--work", str(work), "--out", str(tmp_path / "cal.json")]) == 2
+    assert "--reuse-real: grid run 1 is not in" in capsys.readouterr().err
