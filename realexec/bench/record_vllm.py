@@ -64,29 +64,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after --: flags for the recorder, e.g. -- --num-gpu-blocks 64 --max-num-seqs 16")
 
 
-def run(args: argparse.Namespace) -> int:
-    from realexec.bench.peer_table import check_python, vllm_env, write_requests
+def check_recorder_args(args: argparse.Namespace) -> str:
+    """vLLM's interpreter (checked) and the model directory's existence, before anything runs."""
+    from realexec.bench.peer_table import check_python
 
     python = check_python(args.vllm_python)
-    if args.num_requests < 1 or args.skip < 0 or args.max_tokens_cap < 1:
-        raise ValueError("--num-requests and --max-tokens-cap must be >= 1, --skip >= 0")
     if not os.path.isdir(args.model_dir):
         raise ValueError(f"--model-dir {args.model_dir}: not a directory (make one with "
                          f"`python -m realexec export-hf --out DIR`)")
-    reqs = trace_requests(args.trace, args.num_requests, args.skip, args.max_tokens_cap)
-    extra = [a for a in args.recorder_args if a != "--"]
+    return python
+
+
+def run_recorder(python: str, args: argparse.Namespace, requests: list[dict], log: str,
+                 extra: list[str] = ()) -> int:
+    """Run the recorder in vLLM's interpreter on `requests` (dicts of the recorder's requests
+    file), writing the step log `log`; its exit status (1 on timeout)."""
+    import json
+
+    from realexec.bench.peer_table import vllm_env
+
+    os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
     env = vllm_env(args.threads_bind, 1)     # 1 GiB of KV (vLLM otherwise wants 92% of RAM free)
     with tempfile.TemporaryDirectory(prefix="twinserve-record-vllm-") as tmp:
         req_file = Path(tmp) / "requests.json"
-        write_requests(req_file, [(r["prompt_token_ids"], r["max_tokens"]) for r in reqs])
-        cmd = [python, str(RECORDER), "--model", args.model_dir, "--requests", str(req_file),
-               "--out", args.out, "--recorded-by", shlex.join([sys.executable, "-m", "realexec", *sys.argv[1:]])] + extra
+        req_file.write_text(json.dumps({"requests": requests}))
+        cmd = [python, str(RECORDER), "--model", args.model_dir, "--requests", str(req_file), "--out", log,
+               "--recorded-by", shlex.join([sys.executable, "-m", "realexec", *sys.argv[1:]]),
+               *[a for a in args.recorder_args if a != "--"], *extra]
         try:
-            rc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
+            return subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             print(f"error: the vLLM recorder gave no result within {args.timeout:g} s", file=sys.stderr)
             return 1
-    return rc
+
+
+def run(args: argparse.Namespace) -> int:
+    python = check_recorder_args(args)
+    if args.num_requests < 1 or args.skip < 0 or args.max_tokens_cap < 1:
+        raise ValueError("--num-requests and --max-tokens-cap must be >= 1, --skip >= 0")
+    reqs = trace_requests(args.trace, args.num_requests, args.skip, args.max_tokens_cap)
+    return run_recorder(python, args, reqs, args.out)
 
 
 # ----------------------------------------------------------------------------- a profile grid
@@ -117,35 +134,18 @@ def run_profile(args: argparse.Namespace) -> int:
 
     from core.cost.grid_workload import grid_tokens, profile_workload
     from core.cost.vllm_fit import fit_logs
-    from realexec.bench.peer_table import check_python, vllm_env
     from traces.build import prompt_token_pool
 
-    python = check_python(args.vllm_python)
+    python = check_recorder_args(args)
     if args.max_num_seqs < 1 or args.steps_per_size < 1:
         raise ValueError("--max-num-seqs and --steps-per-size must be >= 1")
-    if not os.path.isdir(args.model_dir):
-        raise ValueError(f"--model-dir {args.model_dir}: not a directory (make one with "
-                         f"`python -m realexec export-hf --out DIR`)")
     reqs = profile_workload(prompt_token_pool(args.trace, grid_tokens(args.max_num_seqs)), args.max_num_seqs,
                             args.steps_per_size)
     log = f"{args.out}.steps.jsonl"
-    extra = [a for a in args.recorder_args if a != "--"]
-    env = vllm_env(args.threads_bind, 1)
-    with tempfile.TemporaryDirectory(prefix="twinserve-profile-vllm-") as tmp:
-        req_file = Path(tmp) / "requests.json"
-        req_file.write_text(json.dumps({"requests": reqs}))
-        cmd = [python, str(RECORDER), "--model", args.model_dir, "--requests", str(req_file), "--out", log,
-               "--max-num-seqs", str(args.max_num_seqs),
-               "--recorded-by", shlex.join([sys.executable, "-m", "realexec", *sys.argv[1:]])] + extra
-        try:
-            rc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            print(f"error: the vLLM recorder gave no result within {args.timeout:g} s", file=sys.stderr)
-            return 1
+    rc = run_recorder(python, args, reqs, log, ["--max-num-seqs", str(args.max_num_seqs)])
     if rc:
         return rc
     model = fit_logs([log])
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(model, f, indent=1)
     print(format_fit(model))
