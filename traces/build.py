@@ -83,25 +83,31 @@ def load_smollm2_tokenizer(cache: bool = True) -> SmolLM2Tokenizer:
     return SmolLM2Tokenizer(tokenizer, name)
 
 
-def prompt_token_pool(path: str | Path, tokens: int, skip: int = 0) -> list[int]:
-    """At least `tokens` prompt token ids of the trace at `path`, request after request
-    from its `skip`-th (text prompts tokenized with SmolLM2's tokenizer): real text to cut
-    prompt windows from (the profile grids of core.cost.grid_workload). TraceError when
-    the trace's prompts are too few."""
-    from .formats import load_trace
-
-    pool: list[int] = []
-    tokenizer = None
-    for r in list(load_trace(path).requests)[skip:]:
+def prompt_ids(requests, where: str, tokenizer=None):
+    """(request, its prompt's token ids) for each of `requests`: the trace's own ids, else
+    its text tokenized with SmolLM2's tokenizer (loaded once, on the first text prompt).
+    TraceError naming `where` for a request with neither."""
+    for r in requests:
         ids = r.prompt_token_ids
         if ids is None:
             if r.prompt is None:
-                continue
+                raise TraceError(f"{where}: request {r.request_id} has neither prompt text nor token ids")
             if tokenizer is None:
                 tokenizer = load_smollm2_tokenizer()
             enc = tokenizer.encode(r.prompt)
             ids = getattr(enc, "ids", enc)
-        pool += [int(t) for t in ids]
+        yield r, [int(t) for t in ids]
+
+
+def prompt_token_pool(path: str | Path, tokens: int, skip: int = 0) -> list[int]:
+    """At least `tokens` prompt token ids of the trace at `path`, request after request
+    from its `skip`-th (`prompt_ids`): real text to cut prompt windows from (the profile
+    grids of core.cost.grid_workload). TraceError when the trace's prompts are too few."""
+    from .formats import load_trace
+
+    pool: list[int] = []
+    for _, ids in prompt_ids(list(load_trace(path).requests)[skip:], str(path)):
+        pool += ids
         if len(pool) >= tokens:
             return pool
     raise TraceError(f"{path}: its prompts from request {skip} on have {len(pool)} tokens, {tokens} are needed")

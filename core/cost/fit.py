@@ -197,7 +197,7 @@ def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float], signed: Iter
         if s > 0:
             cols.append([v / s for v in c])
             scale.append(sign * s)
-            live.append((j, sign))
+            live.append(j)
     coef = [0.0] * k
     if not cols:
         return coef
@@ -205,8 +205,8 @@ def fit_nonneg(rows: Sequence[Sequence[float]], y: Sequence[float], signed: Iter
     p = _householder(cols, rhs)
     # ||A x - 1||^2 == ||R x - d||^2 + (the part of 1 outside A's range): fit the triangle
     x = _nnls([c[:p] for c in cols], rhs[:p])
-    for i, (j, _sign) in enumerate(live):
-        coef[j] += x[i] / scale[i]
+    for i, j in enumerate(live):
+        coef[j] += x[i] / scale[i]          # a signed column's two parts add up
     return coef
 
 

@@ -25,26 +25,18 @@ def trace_requests(path: str, num_requests: int, skip: int = 0, cap: int | None 
                    ) -> list[dict]:
     """[{"prompt_token_ids", "max_tokens"}] for requests skip..skip+num_requests-1
     of the trace; ValueError when the trace has fewer."""
-    from traces import load_trace
+    from traces import TraceError, load_trace
+    from traces.build import prompt_ids
 
     trace = load_trace(path, limit=skip + num_requests)
     reqs = list(trace.requests)[skip:]
     if len(reqs) < num_requests:
         raise ValueError(f"{path}: {len(reqs)} requests after skipping {skip}, {num_requests} asked for")
-    out = []
-    for r in reqs:
-        ids = r.prompt_token_ids
-        if ids is None:
-            if r.prompt is None:
-                raise ValueError(f"{path}: request {r.request_id} has neither prompt text nor token ids")
-            if tokenizer is None:
-                from traces.build import load_smollm2_tokenizer
-                tokenizer = load_smollm2_tokenizer()
-            enc = tokenizer.encode(r.prompt)
-            ids = getattr(enc, "ids", enc)
-        out.append({"prompt_token_ids": [int(t) for t in ids],
-                    "max_tokens": max(1, min(r.output_len, cap) if cap else r.output_len)})
-    return out
+    try:
+        return [{"prompt_token_ids": ids, "max_tokens": max(1, min(r.output_len, cap) if cap else r.output_len)}
+                for r, ids in prompt_ids(reqs, path, tokenizer)]
+    except TraceError as e:
+        raise ValueError(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -50,9 +50,8 @@ def serve_grid(folder: Path, grid: Grid, source_trace: str, engine_args: str, re
     """Serve the grid once into `folder` -> run_real's (step log, bench result, machine)."""
     from core.cost.grid_workload import staircase_prompts
     from sim.twin.validate import run_real
-    from traces.build import prompt_token_pool
-
     from traces import TraceError
+    from traces.build import prompt_token_pool
 
     folder.mkdir(parents=True, exist_ok=True)
     trace = folder / "grid.json"

@@ -39,9 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+from sim.twin.grid_runs import Grid
 from sim.twin.rounds import (CALIBRATION, DESIGNS, PAIRINGS, VALIDATION, Slot, calibration_for, choose_pairing,
                         interior_calibration_runs, pairing_check, schedule)
-from sim.twin.grid_runs import Grid
 from sim.twin.validate import JITTER_DRAWS
 from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
 
