@@ -36,8 +36,9 @@ ROWS = (("median TTFT (ms)", "median_ttft_ms", 0.05), ("median TPOT (ms)", "medi
         ("output throughput (tok/s)", "output_throughput", 0.05),
         ("request throughput (req/s)", "request_throughput", 0.05),
         ("p90 TTFT (ms)", "p90_ttft_ms", 0.10), ("p90 TPOT (ms)", "p90_tpot_ms", 0.10))
-# the profile's engine section -> the serve flags both servers get
 WARMUP_REQUESTS = 4          # short requests sent at once to each fresh server before the measured ones
+PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls")   # saved per run as LOAD-KIND.requests.json
+# the profile's engine section -> the serve flags both servers get
 _ENGINE_FLAGS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks", "max_model_len")
 
 
@@ -202,6 +203,10 @@ def run_vs_real(args) -> int:
                 _bench(server.url, str(warmup), WARMUP_REQUESTS, float("inf"), None)
                 load_before = _load_avg()
                 summary = _bench(server.url, args.trace, args.num_requests, rate, args.max_tokens_cap)
+            # per request (prompt and output lengths, TTFT, inter-token gaps), to see which
+            # requests an error comes from; the comparison keeps the summaries
+            per_request = {k: summary[k] for k in PER_REQUEST_KEYS}
+            (out / f"{load}-{kind}.requests.json").write_text(json.dumps(per_request))
             summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
             summary["loadavg"] = [load_before, _load_avg()]
             runs[load][kind] = summary
