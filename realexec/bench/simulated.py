@@ -107,6 +107,30 @@ def _bench(url: str, trace: str, num_requests: int, rate: float, max_tokens_cap:
     return summary
 
 
+def first_token_silent(url: str, trace: str, num_requests: int) -> list[int]:
+    """Which of the slice's requests (0-based) the server at `url` starts with a token that
+    has no text: each prompt once more, greedy, one token, not streamed. A streaming client
+    sees such a request's first text a step later, so the TTFT of these requests is one
+    decode step longer; the simulated server draws its share of them per prompt
+    (`--sim-first-token-no-text`), the real one follows the model. Counting both says how
+    much of a TTFT error is that draw and not the step prices."""
+    import httpx
+
+    from realexec.bench import serve as bench_serve
+
+    args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--trace", trace, "--num-requests", str(num_requests), "--seed", "0"])
+    with httpx.Client(base_url=url, timeout=120.0) as client:
+        model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        silent = []
+        for i, req in enumerate(bench_serve.build_requests(args)):
+            body = {"model": model, "prompt": req.prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            answer = client.post("/v1/completions", json=body).raise_for_status().json()
+            if answer["usage"]["completion_tokens"] == 1 and not answer["choices"][0]["text"]:
+                silent.append(i)
+    return silent
+
+
 def _short_trace(path: Path, n: int, max_tokens: int, source: str) -> Path:
     """A trace of `n` 14-word prompts (under 16 tokens: none fills a KV block) asking for
     `max_tokens` tokens each."""
@@ -161,6 +185,11 @@ def comparison_table(runs: dict[str, dict[str, dict]]) -> str:
             mark = "" if err is None else ("ok" if abs(err) <= target else "missed")
             err_text = "n/a" if err is None else f"{err:+.1%}"
             lines.append(f"| {load} | {label} | {real:.2f} | {sim:.2f} | {err_text} | ±{target:.0%} {mark} |")
+        silent = [pair[kind].get("first_token_silent") for kind in ("real", "simulated")]
+        if None not in silent:
+            both = len(set(silent[0]) & set(silent[1]))
+            lines.append(f"| {load} | requests whose first token has no text | {len(silent[0])} | {len(silent[1])} "
+                         f"| {both} in both | |")
     return "\n".join(lines)
 
 
@@ -203,12 +232,14 @@ def run_vs_real(args) -> int:
                 _bench(server.url, str(warmup), WARMUP_REQUESTS, float("inf"), None)
                 load_before = _load_avg()
                 summary = _bench(server.url, args.trace, args.num_requests, rate, args.max_tokens_cap)
+                silent = first_token_silent(server.url, args.trace, args.num_requests)
             # per request (prompt and output lengths, TTFT, inter-token gaps), to see which
             # requests an error comes from; the comparison keeps the summaries
             per_request = {k: summary[k] for k in PER_REQUEST_KEYS}
             (out / f"{load}-{kind}.requests.json").write_text(json.dumps(per_request))
             summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
             summary["loadavg"] = [load_before, _load_avg()]
+            summary["first_token_silent"] = silent
             runs[load][kind] = summary
     table = comparison_table(runs)
     print(table)

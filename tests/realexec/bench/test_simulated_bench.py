@@ -79,3 +79,47 @@ def test_the_floor_server_streams_openai_chunks_and_refuses_a_bad_body(tmp_path)
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(s.url + "/v1/completions", b"[1"), timeout=10)
         assert e.value.code == 400
+
+
+def test_table_counts_the_requests_whose_first_token_has_no_text_on_each_side():
+    real = {key: 100.0 for _, key, _ in ROWS}
+    pair = {"real": dict(real, first_token_silent=[1, 4, 7]), "simulated": dict(real, first_token_silent=[4, 9])}
+    row = comparison_table({"light": pair}).splitlines()[-1]
+    assert row == "| light | requests whose first token has no text | 3 | 2 | 1 in both | |"
+
+
+def test_first_token_silent_names_the_requests_a_client_sees_text_from_a_step_later(tmp_path):
+    """The probe of `bench simulate-vs-real`: against a simulated server that starts about
+    half its requests with a text-less token, it names exactly the requests whose stream's
+    first text comes with their second token."""
+    import json
+
+    import httpx
+
+    from realexec.bench.simulated import first_token_silent
+    from realexec.config import EngineArgs
+    from realexec.engine.llm_engine import LLMEngine
+    from realexec.server.app import create_app
+    from tests.realexec.server.test_server import serve
+
+    prompts = [f"question {i}: what is {i} times {i + 3}" for i in range(12)]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"format": "twinserve-trace", "version": 1, "source": "test", "requests": [
+        {"id": f"r{i}", "arrival_time": 0.0, "prompt_len": 12, "output_len": 3, "prompt": p}
+        for i, p in enumerate(prompts)]}))
+    engine = LLMEngine(EngineArgs(simulate="roofline", sim_model="Llama-3-8B", sim_hardware="H100", block_size=16,
+                                  num_gpu_blocks=256, swap_space=0.01, sim_first_token_no_text=0.5))
+    with serve(create_app(engine, served_model_name="sim")) as url:
+        silent = first_token_silent(url, str(trace), len(prompts))
+        late = []
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for p in prompts:
+                body = {"model": "sim", "prompt": p, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                        "stream": True, "logprobs": 1}
+                with client.stream("POST", "/v1/completions", json=body) as resp:
+                    chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                              if line.startswith("data: {") and '"choices":[{' in line.replace(" ", "")]
+                tokens = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+                late.append(bool(tokens) and tokens[0] == "")
+    assert 0 < len(silent) < len(prompts)
+    assert silent == [i for i, x in enumerate(late) if x]
