@@ -142,6 +142,11 @@ class EngineArgs:
              "special token without text, as a real model's end-of-turn token that ignore_eos runs past: "
              "their first streamed chunk comes one step later, as from the real server (SmolLM2 on the "
              "ShareGPT completions: about 0.2) [0]", metavar="SHARE")
+    sim_first_token_no_text_prompts: str | None = _arg(
+        None, "--simulate, random output: instead of a share, exactly the requests whose prompt is in this "
+              "JSON list (prompt texts as sent to /v1/completions, or token-id lists) start with that "
+              "text-less token: a recorded run's silent starts replayed (`bench simulate-vs-real "
+              "--match-first-token` writes the list from the real server)", metavar="FILE")
 
     def validate(self) -> None:
         def positive(name):
@@ -159,7 +164,7 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.simulate is not None or self.sim_model is not None or self.sim_hardware is not None \
-                or self.sim_first_token_no_text:
+                or self.sim_first_token_no_text or self.sim_first_token_no_text_prompts is not None:
             check_simulate_args(self)      # a simulated engine runs no workers: no backend to check
         elif self.executor_backend() == "uni" and self.world_size > 1:
             raise ValueError(f"distributed-executor-backend uni runs one worker; tensor-parallel-size "
@@ -241,10 +246,15 @@ def check_simulate_args(args: EngineArgs) -> None:
                 raise ValueError(f"--{flag.replace('_', '-')} only applies with --simulate roofline")
         if args.sim_first_token_no_text:
             raise ValueError("--sim-first-token-no-text only applies with --simulate")
+        if args.sim_first_token_no_text_prompts is not None:
+            raise ValueError("--sim-first-token-no-text-prompts only applies with --simulate")
         return
     if not 0.0 <= args.sim_first_token_no_text <= 1.0:
         raise ValueError(f"--sim-first-token-no-text is a share of requests: it must be in [0, 1], "
                          f"got {args.sim_first_token_no_text}")
+    if args.sim_first_token_no_text and args.sim_first_token_no_text_prompts is not None:
+        raise ValueError("give --sim-first-token-no-text (a share of requests) or --sim-first-token-no-text-prompts "
+                         "(which requests), not both")
     if args.simulate_output not in OUTPUT_MODES:
         raise ValueError(f"simulate-output must be one of {', '.join(OUTPUT_MODES)}, got {args.simulate_output!r}")
     if args.pipeline_parallel_size > 1:

@@ -69,6 +69,11 @@ def add_vs_real_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--sim-args", default="",
                         help="more serve flags for the simulated server only (one string), e.g. "
                              "'--sim-first-token-no-text 0.2'")
+    parser.add_argument("--match-first-token", action="store_true",
+                        help="the simulated server starts without text exactly the requests the real one did "
+                             "(--sim-first-token-no-text-prompts with the real run's, written as "
+                             "LOAD-silent-prompts.json): compares the step timing alone, not which requests "
+                             "a share's draw picked")
     parser.add_argument("--out", default="results/simulate_vs_real", help="output directory [results/simulate_vs_real]")
     return parser
 
@@ -107,24 +112,29 @@ def _bench(url: str, trace: str, num_requests: int, rate: float, max_tokens_cap:
     return summary
 
 
-def first_token_silent(url: str, trace: str, num_requests: int) -> list[int]:
-    """Which of the slice's requests (0-based) the server at `url` starts with a token that
-    has no text: each prompt once more, greedy, one token, not streamed. A streaming client
-    sees such a request's first text a step later, so the TTFT of these requests is one
-    decode step longer; the simulated server draws its share of them per prompt
-    (`--sim-first-token-no-text`), the real one follows the model. Counting both says how
-    much of a TTFT error is that draw and not the step prices."""
-    import httpx
-
+def slice_prompts(trace: str, num_requests: int) -> list[str | list[int]]:
+    """The prompts `bench serve` sends for the slice, in sending order."""
     from realexec.bench import serve as bench_serve
 
     args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--trace", trace, "--num-requests", str(num_requests), "--seed", "0"])
+    return [req.prompt for req in bench_serve.build_requests(args)]
+
+
+def first_token_silent(url: str, prompts: list[str | list[int]]) -> list[int]:
+    """Which of `prompts` (0-based) the server at `url` starts with a token that has no
+    text: each prompt once more, greedy, one token, not streamed. A streaming client sees
+    such a request's first text a step later, so the TTFT of these requests is one decode
+    step longer; the simulated server draws its share of them per prompt
+    (`--sim-first-token-no-text`), the real one follows the model. Counting both says how
+    much of a TTFT error is that draw and not the step prices."""
+    import httpx
+
     with httpx.Client(base_url=url, timeout=120.0) as client:
         model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         silent = []
-        for i, req in enumerate(bench_serve.build_requests(args)):
-            body = {"model": model, "prompt": req.prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+        for i, prompt in enumerate(prompts):
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
             answer = client.post("/v1/completions", json=body).raise_for_status().json()
             if answer["usage"]["completion_tokens"] == 1 and not answer["choices"][0]["text"]:
                 silent.append(i)
@@ -220,9 +230,17 @@ def run_vs_real(args) -> int:
     runs: dict[str, dict[str, dict]] = {}
     env = {"OMP_NUM_THREADS": "1"}
     warmup = _short_trace(out / "warmup.json", WARMUP_REQUESTS, 4, "simulate-vs-real: warm-up")
+    prompts = slice_prompts(args.trace, args.num_requests)
     for load, rate in loads:
         runs[load] = {}
-        for kind, extra in (("real", []), ("simulated", ["--simulate", str(cost_model)] + shlex.split(args.sim_args))):
+        for kind in ("real", "simulated"):
+            extra = []
+            if kind == "simulated":
+                extra = ["--simulate", str(cost_model)] + shlex.split(args.sim_args)
+                if args.match_first_token:
+                    listed = out / f"{load}-silent-prompts.json"
+                    listed.write_text(json.dumps([prompts[i] for i in runs[load]["real"]["first_token_silent"]]))
+                    extra += ["--sim-first-token-no-text-prompts", str(listed)]
             print(f"simulate-vs-real: {load} ({rate:g} req/s), {kind} server: serve {' '.join(flags + extra)}",
                   flush=True)
             with realexec_server(flags + extra, out / f"{load}-{kind}.log", env=env, ready_timeout=300,
@@ -232,7 +250,7 @@ def run_vs_real(args) -> int:
                 _bench(server.url, str(warmup), WARMUP_REQUESTS, float("inf"), None)
                 load_before = _load_avg()
                 summary = _bench(server.url, args.trace, args.num_requests, rate, args.max_tokens_cap)
-                silent = first_token_silent(server.url, args.trace, args.num_requests)
+                silent = first_token_silent(server.url, prompts)
             # per request (prompt and output lengths, TTFT, inter-token gaps), to see which
             # requests an error comes from; the comparison keeps the summaries
             per_request = {k: summary[k] for k in PER_REQUEST_KEYS}
@@ -245,7 +263,7 @@ def run_vs_real(args) -> int:
     print(table)
     meta = {"cost_model": str(cost_model), "trace": args.trace, "num_requests": args.num_requests,
             "max_tokens_cap": args.max_tokens_cap, "loads": dict(loads), "serve_flags": flags,
-            "sim_flags": shlex.split(args.sim_args)}
+            "sim_flags": shlex.split(args.sim_args), "match_first_token": args.match_first_token}
     (out / "comparison.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
     (out / "comparison.md").write_text(table + "\n")
     print(f"saved {out / 'comparison.md'} and {out / 'comparison.json'}")

@@ -22,7 +22,9 @@ AsyncEngine and the HTTP server run unchanged on top of it. Per step it
     `--sim-first-token-no-text SHARE` that share of requests (a seeded draw per sequence)
     starts with a special token that has no text (not EOS), as a real chat model often
     starts a raw completion with its end-of-turn token: their first streamed chunk comes a
-    step later, as from the real server (a systematic part of the TTFT gap without it).
+    step later, as from the real server (a systematic part of the TTFT gap without it);
+    `--sim-first-token-no-text-prompts FILE` names those requests instead (a recorded run's
+    silent starts: which requests they are moves a small slice's TTFT percentiles).
 Logprobs, n > 1 and beam search get well-formed answers from a seeded random model
 (candidates best first with strictly descending log-probabilities; greedy picks the best).
 
@@ -44,6 +46,7 @@ import dataclasses
 import time
 from concurrent.futures import Future
 from math import gcd, log1p
+from pathlib import Path
 
 from core.cost.fitted import FittedCostModel, load_cost_model_file
 from core.cost.model import (BatchShape, CostModel, RooflineCostModel, kv_block_bytes, kv_cache_capacity_blocks)
@@ -181,13 +184,14 @@ class _Req:
 
 
 class _Seq:
-    __slots__ = ("req", "h", "num_prompt", "echo")
+    __slots__ = ("req", "h", "num_prompt", "echo", "prompt_key")
 
     def __init__(self, req: _Req, token_ids: list[int], num_prompt: int, echo: list[int] | None):
         self.req = req
         self.num_prompt = num_prompt
         # the prompt hashed whole (always sent whole), outputs one by one
-        self.h = _fold(hash(tuple(token_ids[:num_prompt])), token_ids[num_prompt:])
+        self.prompt_key = hash(tuple(token_ids[:num_prompt]))
+        self.h = _fold(self.prompt_key, token_ids[num_prompt:])
         self.echo = echo
 
 
@@ -211,6 +215,9 @@ class SimulatedWorker:
         self.last_price = 0.0
         self._last_end: float | None = None     # clock time the previous step returned
         self.sleep_level = 0
+        self.no_text_token: int | None = None
+        self.no_text_share = 0.0
+        self.no_text_prompts: frozenset[int] | None = None      # prompt keys that start silent
 
     # -- setup (the Worker lifecycle) ---------------------------------------------------------
     def init_device(self) -> None:
@@ -248,7 +255,9 @@ class SimulatedWorker:
                         if 0 <= t < vocab and not self.tokenizer.decode([t], skip_special_tokens=True))
         self.no_text_token = silent[0] if silent else None
         self.no_text_share = args.sim_first_token_no_text
-        if self.no_text_share and self.no_text_token is None:
+        self.no_text_prompts = (None if args.sim_first_token_no_text_prompts is None
+                                else self._read_no_text_prompts(args.sim_first_token_no_text_prompts))
+        if (self.no_text_share or self.no_text_prompts) and self.no_text_token is None:
             raise ValueError("--sim-first-token-no-text: the tokenizer has no special token besides its "
                              "end-of-sequence token(s) to answer without text")
         self.vocab = [t for t in range(vocab) if t not in special]
@@ -258,6 +267,33 @@ class SimulatedWorker:
             stride += 1
         self._stride = stride
         return cfg
+
+    def _read_no_text_prompts(self, path: str) -> frozenset[int]:
+        """The prompt keys (hash of the token ids, as _Seq.prompt_key) of the JSON list of
+        prompts in `path`: texts tokenized as the server tokenizes a completion prompt, or
+        token-id lists."""
+        import json
+
+        flag = "--sim-first-token-no-text-prompts"
+        try:
+            prompts = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+        except ValueError as e:
+            raise ValueError(f"{flag} {path}: not JSON ({e})") from None
+        if not isinstance(prompts, list):
+            raise ValueError(f"{flag} {path}: expected a JSON list of prompts, got {type(prompts).__name__}")
+        keys = set()
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                ids = list(self.tokenizer(p).input_ids)
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                ids = p
+            else:
+                raise ValueError(f"{flag} {path}: item {i} is neither a prompt text nor a non-empty list of "
+                                 f"token ids: {str(p)[:80]}")
+            keys.add(hash(tuple(ids)))
+        return frozenset(keys)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         return self.deployment.num_gpu_blocks, self.deployment.num_cpu_blocks
@@ -358,13 +394,16 @@ class SimulatedWorker:
             j += 1
         return out
 
-    def _no_text_first(self, x: int, req: _Req) -> bool:
+    def _no_text_first(self, x: int, seq: _Seq) -> bool:
         """Whether a sequence whose first output has key x starts with the silent special
-        token (--sim-first-token-no-text): a seeded draw, like its tokens."""
-        share = self.no_text_share
-        if not share or self.no_text_token in req.stop_ids:
+        token: its prompt is listed (--sim-first-token-no-text-prompts), or a seeded draw
+        like its tokens (--sim-first-token-no-text)."""
+        if self.no_text_token in seq.req.stop_ids:
             return False
-        return (_mix(x ^ _NO_TEXT_SALT) >> 11) * (1.0 / (1 << 53)) < share
+        if self.no_text_prompts is not None:
+            return seq.prompt_key in self.no_text_prompts
+        share = self.no_text_share
+        return bool(share) and (_mix(x ^ _NO_TEXT_SALT) >> 11) * (1.0 / (1 << 53)) < share
 
     @staticmethod
     def _logprobs(x: int, count: int) -> list[float]:
@@ -400,7 +439,7 @@ class SimulatedWorker:
                 t = seq.echo[num_outputs % len(seq.echo)]
                 if not (num_outputs < req.min_tokens and t in req.stop_ids):
                     cands = [t] + [c for c in cands if c != t]
-            elif num_outputs == 0 and self._no_text_first(x, req):
+            elif num_outputs == 0 and self._no_text_first(x, seq):
                 cands = [self.no_text_token] + cands[:-1]
             toks = [cands[0]] * k if req.greedy or seq.echo is not None else cands[:k]
             token_ids[sid] = toks

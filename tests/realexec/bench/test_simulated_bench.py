@@ -96,7 +96,7 @@ def test_first_token_silent_names_the_requests_a_client_sees_text_from_a_step_la
 
     import httpx
 
-    from realexec.bench.simulated import first_token_silent
+    from realexec.bench.simulated import first_token_silent, slice_prompts
     from realexec.config import EngineArgs
     from realexec.engine.llm_engine import LLMEngine
     from realexec.server.app import create_app
@@ -110,7 +110,8 @@ def test_first_token_silent_names_the_requests_a_client_sees_text_from_a_step_la
     engine = LLMEngine(EngineArgs(simulate="roofline", sim_model="Llama-3-8B", sim_hardware="H100", block_size=16,
                                   num_gpu_blocks=256, swap_space=0.01, sim_first_token_no_text=0.5))
     with serve(create_app(engine, served_model_name="sim")) as url:
-        silent = first_token_silent(url, str(trace), len(prompts))
+        assert slice_prompts(str(trace), len(prompts)) == prompts
+        silent = first_token_silent(url, prompts)
         late = []
         with httpx.Client(base_url=url, timeout=60) as client:
             for p in prompts:
@@ -123,3 +124,45 @@ def test_first_token_silent_names_the_requests_a_client_sees_text_from_a_step_la
                 late.append(bool(tokens) and tokens[0] == "")
     assert 0 < len(silent) < len(prompts)
     assert silent == [i for i, x in enumerate(late) if x]
+
+
+def test_simulate_vs_real_end_to_end_with_the_real_runs_silent_starts(tmp_path):
+    """`bench simulate-vs-real --match-first-token` through the CLI on a tiny slice: both
+    servers serve it, the table has every row, and the simulated server starts without text
+    exactly the requests SmolLM2 does (one prompt that SmolLM2 answers with its end-of-turn
+    token first, two it does not)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    prompts = ["What are the best mods for ARK: Survival Evolved?", "What is a device graph",
+               "Write a motivational letter for a phd position"]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"format": "twinserve-trace", "version": 1, "source": "test", "requests": [
+        {"id": f"r{i}", "arrival_time": 0.0, "prompt_len": 12, "output_len": 3, "prompt": p}
+        for i, p in enumerate(prompts)]}))
+    def part(one, per_token):
+        return {"features": ["one", "tokens"], "coef": [one, per_token]}
+    cost_model = tmp_path / "profile.json"             # a made-up fitted model: its engine gives both servers' flags
+    cost_model.write_text(json.dumps({
+        "format": "twinserve-step-cost", "version": 2, "features": ["one", "seqs", "tokens", "context", "pairs"],
+        "parts": {"execute": {"prefill": part(0.010, 0.0005), "decode": part(0.020, 0.001)},
+                  "overhead": {"prefill": part(0.001, 0.0), "decode": part(0.0005, 0.0)}},
+        "profile": {"model": "SmolLM2-135M-Instruct"},
+        "engine": {"num_gpu_blocks": 64, "block_size": 16, "max_model_len": 512, "max_num_seqs": 4}}))
+    out = tmp_path / "cmp"
+    r = subprocess.run([sys.executable, "-m", "realexec", "bench", "simulate-vs-real", "--cost-model", str(cost_model),
+                        "--trace", str(trace), "--num-requests", "3", "--loads", "light=20", "--max-tokens-cap",
+                        "3", "--match-first-token", "--out", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((out / "comparison.json").read_text())
+    light = result["runs"]["light"]
+    assert light["real"]["first_token_silent"] == [0] == light["simulated"]["first_token_silent"]
+    assert json.loads((out / "light-silent-prompts.json").read_text()) == prompts[:1]
+    table = (out / "comparison.md").read_text()
+    assert "| light | requests whose first token has no text | 1 | 1 | 1 in both | |" in table
+    assert table.count("| light |") == len(ROWS) + 1
+    assert len(json.loads((out / "light-simulated.requests.json").read_text())["ttfts"]) == 3

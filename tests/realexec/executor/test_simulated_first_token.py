@@ -63,10 +63,50 @@ def test_the_share_of_requests_is_seeded_per_request():
     assert all(c[0][0] != silent for c in none.values())
 
 
+def test_listed_prompts_and_only_they_start_without_text(tmp_path):
+    """--sim-first-token-no-text-prompts: a recorded run's silent starts replayed. The
+    listed prompts (a text, tokenized as the server does, and a token-id list) start with
+    the silent token, greedy or sampled; no other prompt does."""
+    import json
+
+    engine = sim_engine(FakeClock())
+    text = "What are the best mods for ARK: Survival Evolved?"
+    text_ids = list(engine.tokenizer(text).input_ids)
+    listed = tmp_path / "silent.json"
+    listed.write_text(json.dumps([text, PROMPTS[3]]))
+    engine = sim_engine(FakeClock(), sim_first_token_no_text_prompts=str(listed))
+    silent = engine.executor.driver.no_text_token
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [text_ids, PROMPTS[3]] + PROMPTS[4:40] + [PROMPTS[3][:-1]]
+    outs = run(engine, [(p, greedy) for p in prompts])
+    firsts = [choices[0][0] for choices in outs.values()]
+    assert firsts[:2] == [silent, silent] and silent not in firsts[2:]
+    sampled = run(engine, [(PROMPTS[3], SamplingParams(max_tokens=2, temperature=1.0, seed=7, ignore_eos=True))])
+    assert [c[0][0] for c in sampled.values()] == [silent]
+
+
+@pytest.mark.parametrize("content, match", [
+    ("[\"a\", 3]", r"item 1 is neither a prompt text nor a non-empty list of token ids: 3"),
+    ("[[]]", r"item 0 is neither"),
+    ("{\"a\": 1}", r"expected a JSON list of prompts, got dict"),
+    ("[1,", r"not JSON"),
+    (None, r"cannot read it"),
+])
+def test_a_bad_prompt_list_is_refused_naming_the_file_and_item(tmp_path, content, match):
+    path = tmp_path / "silent.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=r"--sim-first-token-no-text-prompts .*silent.json: " + match):
+        sim_engine(FakeClock(), sim_first_token_no_text_prompts=str(path))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(simulate="roofline", sim_first_token_no_text=1.5), r"must be in \[0, 1\], got 1.5"),
     (dict(simulate="roofline", sim_first_token_no_text=-0.1), r"must be in \[0, 1\], got -0.1"),
     (dict(sim_first_token_no_text=0.2), r"--sim-first-token-no-text only applies with --simulate"),
+    (dict(sim_first_token_no_text_prompts="x.json"), r"--sim-first-token-no-text-prompts only applies with --simulate"),
+    (dict(simulate="roofline", sim_first_token_no_text=0.2, sim_first_token_no_text_prompts="x.json"),
+     r"give --sim-first-token-no-text \(a share of requests\) or --sim-first-token-no-text-prompts"),
 ])
 def test_bad_shares_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
