@@ -69,6 +69,9 @@ def add_vs_real_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--sim-args", default="",
                         help="more serve flags for the simulated server only (one string), e.g. "
                              "'--sim-first-token-no-text 0.2'")
+    parser.add_argument("--real-runs", type=int, default=1,
+                        help="runs of the slice on the real server per load, back to back: the table compares "
+                             "with their mean and shows their spread (the host's noise) [1]")
     parser.add_argument("--match-first-token", action="store_true",
                         help="the simulated server starts without text exactly the requests the real one did "
                              "(--sim-first-token-no-text-prompts with the real run's, written as "
@@ -185,21 +188,43 @@ def _error(sim: float, real: float) -> float | None:
     return (sim - real) / real if real else None
 
 
+def mean_summary(summaries: list[dict]) -> dict:
+    """One run's summary as it is; several runs': the first's keys with each table row's
+    value the runs' mean, `noise` per row (the runs' largest distance from their mean,
+    relative to it) and every run's summary under `runs`."""
+    if len(summaries) == 1:
+        return dict(summaries[0])
+    out = dict(summaries[0])
+    out["noise"] = {}
+    for _, key, _ in ROWS:
+        values = [s[key] for s in summaries]
+        mean = sum(values) / len(values)
+        out[key] = mean
+        out["noise"][key] = max(abs(v - mean) for v in values) / mean if mean else 0.0
+    out["runs"] = summaries
+    return out
+
+
 def comparison_table(runs: dict[str, dict[str, dict]]) -> str:
-    """Markdown: per load and row, the real and simulated values and the relative error."""
-    lines = ["| load | metric | real | simulated | error | target |", "|---|---|---|---|---|---|"]
+    """Markdown: per load and row, the real value (the mean of the real runs, with their
+    noise when there were several), the simulated one and the relative error."""
+    lines = ["| load | metric | real | real runs' noise (±) | simulated | error | target |",
+             "|---|---|---|---|---|---|---|"]
     for load, pair in runs.items():
+        noise = pair["real"].get("noise")
         for label, key, target in ROWS:
             real, sim = pair["real"][key], pair["simulated"][key]
             err = _error(sim, real)
             mark = "" if err is None else ("ok" if abs(err) <= target else "missed")
             err_text = "n/a" if err is None else f"{err:+.1%}"
-            lines.append(f"| {load} | {label} | {real:.2f} | {sim:.2f} | {err_text} | ±{target:.0%} {mark} |")
+            noise_text = f"{noise[key]:.1%}" if noise else "one run"
+            lines.append(f"| {load} | {label} | {real:.2f} | {noise_text} | {sim:.2f} | {err_text} | "
+                         f"±{target:.0%} {mark} |")
         silent = [pair[kind].get("first_token_silent") for kind in ("real", "simulated")]
         if None not in silent:
             both = len(set(silent[0]) & set(silent[1]))
-            lines.append(f"| {load} | requests whose first token has no text | {len(silent[0])} | {len(silent[1])} "
-                         f"| {both} in both | |")
+            lines.append(f"| {load} | requests whose first token has no text | {len(silent[0])} | | "
+                         f"{len(silent[1])} | {both} in both | |")
     return "\n".join(lines)
 
 
@@ -215,6 +240,8 @@ def run_vs_real(args) -> int:
     loads = _parse_loads(args.loads)
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.real_runs < 1:
+        raise ValueError(f"--real-runs must be >= 1, got {args.real_runs}")
     if not Path(args.trace).is_file():
         raise FileNotFoundError(f"--trace {args.trace}: no such file")
     cost_model = Path(args.cost_model)
@@ -243,27 +270,33 @@ def run_vs_real(args) -> int:
                     extra += ["--sim-first-token-no-text-prompts", str(listed)]
             print(f"simulate-vs-real: {load} ({rate:g} req/s), {kind} server: serve {' '.join(flags + extra)}",
                   flush=True)
+            # the real server's runs differ with the host's state; the simulated one repeats itself
+            repeats = args.real_runs if kind == "real" else 1
+            summaries = []
             with realexec_server(flags + extra, out / f"{load}-{kind}.log", env=env, ready_timeout=300,
                                  stop_timeouts=(30, 10)) as server:
                 # a fresh server's first requests pay one-time costs (imports, first calls): a
                 # burst of short ones first, as sim validate does
                 _bench(server.url, str(warmup), WARMUP_REQUESTS, float("inf"), None)
-                load_before = _load_avg()
-                summary = _bench(server.url, args.trace, args.num_requests, rate, args.max_tokens_cap)
+                for i in range(repeats):
+                    load_before = _load_avg()
+                    summary = _bench(server.url, args.trace, args.num_requests, rate, args.max_tokens_cap)
+                    # per request (prompt and output lengths, TTFT, inter-token gaps), to see
+                    # which requests an error comes from; the comparison keeps the summaries
+                    name = f"{load}-{kind}" + (f"-{i + 1}" if i else "")
+                    (out / f"{name}.requests.json").write_text(json.dumps({k: summary[k] for k in PER_REQUEST_KEYS}))
+                    summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
+                    summary["loadavg"] = [load_before, _load_avg()]
+                    summaries.append(summary)
                 silent = first_token_silent(server.url, prompts)
-            # per request (prompt and output lengths, TTFT, inter-token gaps), to see which
-            # requests an error comes from; the comparison keeps the summaries
-            per_request = {k: summary[k] for k in PER_REQUEST_KEYS}
-            (out / f"{load}-{kind}.requests.json").write_text(json.dumps(per_request))
-            summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
-            summary["loadavg"] = [load_before, _load_avg()]
-            summary["first_token_silent"] = silent
-            runs[load][kind] = summary
+            runs[load][kind] = mean_summary(summaries)
+            runs[load][kind]["first_token_silent"] = silent
     table = comparison_table(runs)
     print(table)
     meta = {"cost_model": str(cost_model), "trace": args.trace, "num_requests": args.num_requests,
             "max_tokens_cap": args.max_tokens_cap, "loads": dict(loads), "serve_flags": flags,
-            "sim_flags": shlex.split(args.sim_args), "match_first_token": args.match_first_token}
+            "sim_flags": shlex.split(args.sim_args), "match_first_token": args.match_first_token,
+            "real_runs": args.real_runs}
     (out / "comparison.json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
     (out / "comparison.md").write_text(table + "\n")
     print(f"saved {out / 'comparison.md'} and {out / 'comparison.json'}")

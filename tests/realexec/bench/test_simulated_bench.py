@@ -6,6 +6,18 @@ import pytest
 from realexec.bench.simulated import ROWS, _parse_loads, comparison_table
 
 
+def test_bad_run_counts_are_refused_before_any_server_starts(tmp_path):
+    import argparse
+
+    from realexec.bench.simulated import add_vs_real_arguments, run_vs_real
+
+    for flag, match in (("--real-runs", "--real-runs must be >= 1, got 0"),
+                        ("--num-requests", "--num-requests must be >= 1, got 0")):
+        args = add_vs_real_arguments(argparse.ArgumentParser()).parse_args([flag, "0", "--out", str(tmp_path)])
+        with pytest.raises(ValueError, match=match):
+            run_vs_real(args)
+
+
 def test_loads_parse_and_bad_ones_name_the_item():
     assert _parse_loads("light=0.3, queueing=2") == [("light", 0.3), ("queueing", 2.0)]
     for bad in ("light", "light=0", "=2", "light=fast", "light=-1"):
@@ -85,7 +97,25 @@ def test_table_counts_the_requests_whose_first_token_has_no_text_on_each_side():
     real = {key: 100.0 for _, key, _ in ROWS}
     pair = {"real": dict(real, first_token_silent=[1, 4, 7]), "simulated": dict(real, first_token_silent=[4, 9])}
     row = comparison_table({"light": pair}).splitlines()[-1]
-    assert row == "| light | requests whose first token has no text | 3 | 2 | 1 in both | |"
+    assert row == "| light | requests whose first token has no text | 3 | | 2 | 1 in both | |"
+
+
+def test_several_real_runs_are_compared_by_their_mean_with_their_spread():
+    from realexec.bench.simulated import mean_summary
+
+    runs = [{key: 100.0 for _, key, _ in ROWS} for _ in range(3)]
+    runs[0]["median_ttft_ms"], runs[2]["median_ttft_ms"] = 90.0, 120.0      # mean 103.33
+    real = mean_summary(runs)
+    assert real["median_ttft_ms"] == pytest.approx(310 / 3) and real["runs"] == runs
+    assert real["noise"]["median_ttft_ms"] == pytest.approx((120 - 310 / 3) / (310 / 3))
+    assert real["noise"]["median_tpot_ms"] == 0.0
+    sim = dict(runs[1], median_ttft_ms=310 / 3 * 1.02)
+    rows = {line.split(" | ")[1]: line for line in comparison_table({"q": {"real": real, "simulated": sim}})
+            .splitlines()[2:]}
+    assert rows["median TTFT (ms)"] == "| q | median TTFT (ms) | 103.33 | 16.1% | 105.40 | +2.0% | ±5% ok |"
+    assert mean_summary(runs[:1]) == runs[0] and "noise" not in mean_summary(runs[:1])
+    one = comparison_table({"q": {"real": runs[0], "simulated": sim}})
+    assert "| q | median TTFT (ms) | 90.00 | one run | 105.40 | +17.1% | ±5% missed |" in one
 
 
 def test_first_token_silent_names_the_requests_a_client_sees_text_from_a_step_later(tmp_path):
@@ -127,10 +157,10 @@ def test_first_token_silent_names_the_requests_a_client_sees_text_from_a_step_la
 
 
 def test_simulate_vs_real_end_to_end_with_the_real_runs_silent_starts(tmp_path):
-    """`bench simulate-vs-real --match-first-token` through the CLI on a tiny slice: both
-    servers serve it, the table has every row, and the simulated server starts without text
-    exactly the requests SmolLM2 does (one prompt that SmolLM2 answers with its end-of-turn
-    token first, two it does not)."""
+    """`bench simulate-vs-real --match-first-token --real-runs 2` through the CLI on a tiny
+    slice: both servers serve it (the real one twice), the table has every row, and the
+    simulated server starts without text exactly the requests SmolLM2 does (one prompt that
+    SmolLM2 answers with its end-of-turn token first, two it does not)."""
     import json
     import subprocess
     import sys
@@ -155,7 +185,7 @@ def test_simulate_vs_real_end_to_end_with_the_real_runs_silent_starts(tmp_path):
     out = tmp_path / "cmp"
     r = subprocess.run([sys.executable, "-m", "realexec", "bench", "simulate-vs-real", "--cost-model", str(cost_model),
                         "--trace", str(trace), "--num-requests", "3", "--loads", "light=20", "--max-tokens-cap",
-                        "3", "--match-first-token", "--out", str(out)],
+                        "3", "--match-first-token", "--real-runs", "2", "--out", str(out)],
                        cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "comparison.json").read_text())
@@ -163,6 +193,8 @@ def test_simulate_vs_real_end_to_end_with_the_real_runs_silent_starts(tmp_path):
     assert light["real"]["first_token_silent"] == [0] == light["simulated"]["first_token_silent"]
     assert json.loads((out / "light-silent-prompts.json").read_text()) == prompts[:1]
     table = (out / "comparison.md").read_text()
-    assert "| light | requests whose first token has no text | 1 | 1 | 1 in both | |" in table
+    assert "| light | requests whose first token has no text | 1 | | 1 | 1 in both | |" in table
     assert table.count("| light |") == len(ROWS) + 1
-    assert len(json.loads((out / "light-simulated.requests.json").read_text())["ttfts"]) == 3
+    assert len(light["real"]["runs"]) == 2 and set(light["real"]["noise"]) == {key for _, key, _ in ROWS}
+    for name in ("light-simulated", "light-real", "light-real-2"):
+        assert len(json.loads((out / f"{name}.requests.json").read_text())["ttfts"]) == 3
