@@ -147,11 +147,12 @@ def first_token_silent(url: str, prompts: list[str | list[int]]) -> list[int]:
 def _short_trace(path: Path, n: int, max_tokens: int, source: str) -> Path:
     """A trace of `n` 14-word prompts (under 16 tokens: none fills a KV block) asking for
     `max_tokens` tokens each."""
+    from traces import Trace, TraceRequest, save_trace
+
     words = "the quick brown fox jumps over a lazy dog while".split()
-    requests = [json.dumps({"id": f"short-{i}", "arrival_time": 0.0, "prompt_len": 16, "output_len": max_tokens,
-                            "prompt": " ".join(words[(i + j) % len(words)] for j in range(14))}) for i in range(n)]
-    path.write_text(f'{{"format": "twinserve-trace", "version": 1, "source": {json.dumps(source)}, "requests": [\n'
-                    + ",\n".join(requests) + "\n]}\n")
+    save_trace(Trace([TraceRequest(f"short-{i}", 0.0, 16, max_tokens,
+                                   " ".join(words[(i + j) % len(words)] for j in range(14))) for i in range(n)],
+                     source), path)
     return path
 
 

@@ -32,6 +32,7 @@ from core.sched.request import RequestMetrics
 from policies import PolicySet
 from realexec.config import EngineArgs
 from realexec.executor.launch import make_executor
+from realexec.models.loader import prompt_token_ids
 
 # CPU serving caps an unset max_model_len here (the model's own context can be far longer).
 MAX_MODEL_LEN_CAP = 2048
@@ -222,7 +223,7 @@ class LLMEngine:
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass prompts as token ids", "prompt")
-        return list(self.tokenizer(prompt).input_ids)
+        return prompt_token_ids(self.tokenizer, prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the tokenizer's chat template, ready for

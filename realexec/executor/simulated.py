@@ -274,6 +274,8 @@ class SimulatedWorker:
         token-id lists."""
         import json
 
+        from realexec.models.loader import prompt_token_ids
+
         flag = "--sim-first-token-no-text-prompts"
         try:
             prompts = json.loads(Path(path).read_text())
@@ -286,7 +288,7 @@ class SimulatedWorker:
         keys = set()
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                ids = list(self.tokenizer(p).input_ids)
+                ids = prompt_token_ids(self.tokenizer, p)
             elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 ids = p
             else:

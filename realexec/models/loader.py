@@ -152,6 +152,12 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def prompt_token_ids(tokenizer, text: str) -> list[int]:
+    """A completion prompt's token ids, as the server and LLM.generate tokenize a text (the
+    tokenizer's own special tokens, e.g. a BOS, included)."""
+    return list(tokenizer(text).input_ids)
+
+
 # ----------------------------------------------------------------------------- GGUF
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").

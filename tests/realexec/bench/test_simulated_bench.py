@@ -93,6 +93,14 @@ def test_the_floor_server_streams_openai_chunks_and_refuses_a_bad_body(tmp_path)
         assert e.value.code == 400
 
 
+def _prompt_trace(path, prompts: list[str], output_len: int = 3):
+    """A trace of `prompts`, all arriving at once, asking for `output_len` tokens each."""
+    from traces import Trace, TraceRequest, save_trace
+
+    save_trace(Trace([TraceRequest(f"r{i}", 0.0, 12, output_len, p) for i, p in enumerate(prompts)], "test"), path)
+    return path
+
+
 def test_table_counts_the_requests_whose_first_token_has_no_text_on_each_side():
     real = {key: 100.0 for _, key, _ in ROWS}
     pair = {"real": dict(real, first_token_silent=[1, 4, 7]), "simulated": dict(real, first_token_silent=[4, 9])}
@@ -133,10 +141,7 @@ def test_first_token_silent_names_the_requests_a_client_sees_text_from_a_step_la
     from tests.realexec.server.test_server import serve
 
     prompts = [f"question {i}: what is {i} times {i + 3}" for i in range(12)]
-    trace = tmp_path / "t.json"
-    trace.write_text(json.dumps({"format": "twinserve-trace", "version": 1, "source": "test", "requests": [
-        {"id": f"r{i}", "arrival_time": 0.0, "prompt_len": 12, "output_len": 3, "prompt": p}
-        for i, p in enumerate(prompts)]}))
+    trace = _prompt_trace(tmp_path / "t.json", prompts)
     engine = LLMEngine(EngineArgs(simulate="roofline", sim_model="Llama-3-8B", sim_hardware="H100", block_size=16,
                                   num_gpu_blocks=256, swap_space=0.01, sim_first_token_no_text=0.5))
     with serve(create_app(engine, served_model_name="sim")) as url:
@@ -169,19 +174,12 @@ def test_simulate_vs_real_end_to_end_with_the_real_runs_silent_starts(tmp_path):
     root = Path(__file__).resolve().parents[3]
     prompts = ["What are the best mods for ARK: Survival Evolved?", "What is a device graph",
                "Write a motivational letter for a phd position"]
-    trace = tmp_path / "t.json"
-    trace.write_text(json.dumps({"format": "twinserve-trace", "version": 1, "source": "test", "requests": [
-        {"id": f"r{i}", "arrival_time": 0.0, "prompt_len": 12, "output_len": 3, "prompt": p}
-        for i, p in enumerate(prompts)]}))
-    def part(one, per_token):
-        return {"features": ["one", "tokens"], "coef": [one, per_token]}
+    trace = _prompt_trace(tmp_path / "t.json", prompts)
+    from tests.realexec.executor.test_simulated import linear_cost_model
+
     cost_model = tmp_path / "profile.json"             # a made-up fitted model: its engine gives both servers' flags
-    cost_model.write_text(json.dumps({
-        "format": "twinserve-step-cost", "version": 2, "features": ["one", "seqs", "tokens", "context", "pairs"],
-        "parts": {"execute": {"prefill": part(0.010, 0.0005), "decode": part(0.020, 0.001)},
-                  "overhead": {"prefill": part(0.001, 0.0), "decode": part(0.0005, 0.0)}},
-        "profile": {"model": "SmolLM2-135M-Instruct"},
-        "engine": {"num_gpu_blocks": 64, "block_size": 16, "max_model_len": 512, "max_num_seqs": 4}}))
+    cost_model.write_text(json.dumps(linear_cost_model(
+        {"num_gpu_blocks": 64, "block_size": 16, "max_model_len": 512, "max_num_seqs": 4}, 0.0005, 0.001)))
     out = tmp_path / "cmp"
     r = subprocess.run([sys.executable, "-m", "realexec", "bench", "simulate-vs-real", "--cost-model", str(cost_model),
                         "--trace", str(trace), "--num-requests", "3", "--loads", "light=20", "--max-tokens-cap",

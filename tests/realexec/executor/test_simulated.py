@@ -119,17 +119,23 @@ def test_swaps_are_priced_on_top_of_the_batch(engine):
     assert worker.price(msg) == ROOFLINE.swap_time(2, block) + ROOFLINE.swap_time(1, block)
 
 
+def linear_cost_model(engine: dict, prefill_per_token: float = 0.001, decode_per_token: float = 0.002) -> dict:
+    """A made-up fitted cost model (`realexec profile` format) with linear prefill/decode
+    lines: execute 10 ms + per token (prefill), 20 ms + per token (decode); overhead 1 ms
+    (prefill), 0.5 ms (decode); `engine` is its engine section."""
+    def part(one, per_token):
+        return {"features": ["one", "tokens"], "coef": [one, per_token]}
+    return {"format": "twinserve-step-cost", "version": 2, "features": ["one", "seqs", "tokens", "context", "pairs"],
+            "parts": {"execute": {"prefill": part(0.010, prefill_per_token), "decode": part(0.020, decode_per_token)},
+                      "overhead": {"prefill": part(0.001, 0.0), "decode": part(0.0005, 0.0)}},
+            "profile": {"model": "SmolLM2-135M-Instruct"}, "engine": engine}
+
+
 def test_a_fitted_cost_model_prices_the_steps(tmp_path):
     """A `realexec profile`-format file: the step costs its prefill/decode lines (execute +
     overhead), and the KV pool is the profiled engine's."""
-    def part(one, per_token):
-        return {"features": ["one", "tokens"], "coef": [one, per_token]}
-    model = {"format": "twinserve-step-cost", "version": 2, "features": ["one", "seqs", "tokens", "context", "pairs"],
-             "parts": {"execute": {"prefill": part(0.010, 0.001), "decode": part(0.020, 0.002)},
-                       "overhead": {"prefill": part(0.001, 0.0), "decode": part(0.0005, 0.0)}},
-             "profile": {"model": "SmolLM2-135M-Instruct"}, "engine": {"num_gpu_blocks": 77, "block_size": 16}}
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps(model))
+    path.write_text(json.dumps(linear_cost_model({"num_gpu_blocks": 77, "block_size": 16})))
     clock = FakeClock()
     engine = sim_engine(clock, simulate=str(path), sim_model=None, sim_hardware=None)
     assert engine.scheduler.cache_config.num_gpu_blocks == 77
