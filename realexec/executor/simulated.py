@@ -103,6 +103,34 @@ class RealClock:
         return time.monotonic()
 
 
+class DeferredClock:
+    """Wall time without blocking: a step's wait only records when the step ends (`due`)
+    and returns it, and the caller hands the step's outputs over at that time (the
+    server's LoopEngine, on a loop timer). Until then `now()` reads `due`, so what the
+    engine stamps after a wait (token and finish times) is the step's end, as with a
+    RealClock, and the next step's start is anchored to it."""
+
+    def __init__(self):
+        self.due = float("-inf")
+        self._resume: float | None = None
+
+    def now(self) -> float:
+        if self._resume is not None:
+            return self._resume
+        return max(time.monotonic(), self.due)
+
+    def resume_at(self, t: float | None) -> None:
+        """Until the next wait, `now()` reads t: the step that follows a step at once
+        starts at that step's end (`due`), not at the moment the caller got to it.
+        None: wall time again."""
+        self._resume = t
+
+    def wait(self, start: float, seconds: float) -> float:
+        self._resume = None
+        self.due = max(start + seconds, self.now())
+        return self.due
+
+
 class FakeClock:
     """A clock that only moves when a step waits on it (tests: exact step durations)."""
 
@@ -508,6 +536,20 @@ class SimulatedExecutor(UniprocExecutor):
     @property
     def deployment(self) -> SimulatedDeployment:
         return self.driver.deployment
+
+    def can_defer_waits(self) -> bool:
+        """Whether steps wait on the wall clock (serving), so a driver may defer the waits."""
+        return isinstance(self.driver.clock, (RealClock, DeferredClock))
+
+    def defer_waits(self) -> DeferredClock:
+        """Steps stop blocking: each returns at once and the caller waits until the
+        returned clock's `due` before it hands the step's outputs over."""
+        if not self.can_defer_waits():
+            raise RuntimeError(f"the simulated worker's clock is a {type(self.driver.clock).__name__}; "
+                               f"only a real-time one can be deferred")
+        if not isinstance(self.driver.clock, DeferredClock):
+            self.driver.clock = DeferredClock()
+        return self.driver.clock
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         fn = getattr(self.driver, method) if isinstance(method, str) else (

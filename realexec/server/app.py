@@ -39,7 +39,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core import InvalidRequestError, SamplingParams
-from realexec.server.async_engine import AsyncEngine, RequestStream
+from realexec.server.async_engine import RequestStream, make_async_engine
 from realexec.server.config import ServerConfig
 from realexec.server.errors import (APIError, EngineDeadError, QueueFullError, RequestTimeoutError,
                                     ShuttingDownError, as_api_error)
@@ -120,7 +120,7 @@ class OpenAIServer:
         self.config = config
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(served_model_names[0])
-        self.engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests, metrics=self.metrics)
+        self.engine = make_async_engine(engine, max_waiting_requests=config.max_waiting_requests, metrics=self.metrics)
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
         self._unknown_fields_logged: set[str] = set()

@@ -123,7 +123,11 @@ class RequestStream:
             yield index, out
 
 
-class AsyncEngine:
+class _EngineDriver:
+    """What both drivers share: the hand-over lists, the engine-side apply/route/fail and
+    the stats snapshot. A subclass decides where the engine runs (`start`, `shutdown`,
+    `_wake`) and how a step's outputs reach their loops (`_deliver`)."""
+
     def __init__(self, engine: "LLMEngine", *, max_waiting_requests: int | None = None,
                  metrics: "ServerMetrics | None" = None):
         if max_waiting_requests is not None and max_waiting_requests < 0:
@@ -136,33 +140,29 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._abort_all: BaseException | None = None
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        # Engine-thread state: request id -> (stream, prompt index).
+        # Engine-side state: request id -> (stream, prompt index).
         self._streams: dict[str, tuple[RequestStream, int]] = {}
         self.error: BaseException | None = None
-        # Test hook: called on the engine thread before every step (raise to inject a fault).
+        # Test hook: called where the engine runs, before every step (raise to inject a fault).
         self.before_step: Callable[[], None] | None = None
         self.stats = EngineStats()
         self._publish_stats()
 
-    # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="twinserve-engine", daemon=True)
-        self._thread.start()
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        """Called with self._cond held after something was handed over."""
+        raise NotImplementedError
+
+    def _deliver(self, deliveries) -> None:
+        for loop, items in deliveries.items():
+            if not _hand_to(loop, items):           # that loop is closed: nobody will read
+                for stream, _ in items:
+                    for request_id in stream.request_ids:
+                        self._abort(request_id)
 
     # -- handler side (asyncio loop) -----------------------------------------------------------
     def new_request_id(self, prefix: str) -> str:
@@ -171,7 +171,7 @@ class AsyncEngine:
     async def generate(self, prompts: list[list[int]], params: SamplingParams, *, priority: int = 0,
                        request_id: str | None = None, timeout: float | None = None) -> RequestStream:
         """Queue one engine request per tokenized prompt; return their stream once the
-        engine thread accepted them all. Raises InvalidRequestError (a bad prompt, too
+        engine accepted them all. Raises InvalidRequestError (a bad prompt, too
         long for the context), QueueFullError, EngineDeadError. With `timeout` (seconds
         from now) iterating the stream raises RequestTimeoutError after it."""
         if not self.is_running:
@@ -184,7 +184,7 @@ class AsyncEngine:
         stream = RequestStream(ids, asyncio.get_running_loop(), timeout)
         with self._cond:
             self._adds.append((stream, subs))
-            self._cond.notify()
+            self._wake()
         try:
             await stream.wait_added()
         except asyncio.CancelledError:
@@ -199,52 +199,55 @@ class AsyncEngine:
         if ids:
             with self._cond:
                 self._aborts.extend(ids)
-                self._cond.notify()
+                self._wake()
 
     def abort_all(self, error: BaseException) -> None:
         """Abort every request (queued adds too) and end each stream with `error`."""
         with self._cond:
             self._abort_all = error
-            self._cond.notify()
+            self._wake()
 
-    # -- engine thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
+    # -- engine side ---------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        """With self._cond held: whether an iteration has anything to do."""
+        return bool(self._adds or self._aborts or self._stopping or self._abort_all) \
+            or self.engine.has_unfinished_requests()
+
+    def _iteration(self) -> tuple[dict, bool]:
+        """Take what the handlers handed over, apply it (adds first, so an abort that races
+        its own add still finds it) and run one step if a request is unfinished -> (what to
+        deliver, per loop; whether a step ran)."""
         engine = self.engine
-        try:
-            while True:
-                with self._cond:
-                    while not (self._adds or self._aborts or self._stopping or self._abort_all) \
-                            and not engine.has_unfinished_requests():
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    adds, self._adds = self._adds, []
-                    aborts, self._aborts = self._aborts, []
-                    abort_all, self._abort_all = self._abort_all, None
-                deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-                if abort_all is not None:
-                    self._fail(abort_all, adds, abort_engine_requests=True)
-                    adds = []
-                for stream, subs in adds:
-                    self._add(stream, subs, deliveries)
-                for request_id in aborts:
-                    self._abort(request_id)
-                if engine.has_unfinished_requests():
-                    if self.before_step is not None:
-                        self.before_step()
-                    outputs = engine.step()
-                    self._route(outputs, deliveries)
-                self._publish_stats()
-                self._deliver(deliveries)
-        except BaseException as e:        # noqa: BLE001 - report it to every waiting handler
-            logger.exception("engine thread died")
-            self.error = e
-        finally:
-            with self._cond:
-                adds, self._adds = self._adds, []
-            self._fail(EngineDeadError(f"the engine failed: {self.error!r}" if self.error
-                                       else "the server shut down"), adds, abort_engine_requests=self.error is None)
-            self._publish_stats()
+        with self._cond:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+            abort_all, self._abort_all = self._abort_all, None
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        if abort_all is not None:
+            self._fail(abort_all, adds, abort_engine_requests=True)
+            adds = []
+        for stream, subs in adds:
+            self._add(stream, subs, deliveries)
+        for request_id in aborts:
+            self._abort(request_id)
+        stepped = False
+        if engine.has_unfinished_requests() and not engine.is_sleeping:
+            if self.before_step is not None:
+                self.before_step()
+            outputs = engine.step()
+            self._route(outputs, deliveries)
+            stepped = True
+        self._publish_stats()
+        return deliveries, stepped
+
+    def _shut_down(self) -> None:
+        """The end of the engine's runs: every stream and pending add gets EngineDeadError
+        (the error the engine died of, or "the server shut down")."""
+        with self._cond:
+            adds, self._adds = self._adds, []
+        self._fail(EngineDeadError(f"the engine failed: {self.error!r}" if self.error
+                                   else "the server shut down"), adds, abort_engine_requests=self.error is None)
+        self._publish_stats()
 
     def _add(self, stream: RequestStream, subs: list[_Sub], deliveries) -> None:
         engine = self.engine
@@ -292,15 +295,6 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             deliveries.setdefault(stream.loop, []).append((stream, (index, out)))
 
-    def _deliver(self, deliveries) -> None:
-        for loop, items in deliveries.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:                    # that loop is closed: nobody will read
-                for stream, _ in items:
-                    for request_id in stream.request_ids:
-                        self._abort(request_id)
-
     def _fail(self, error: BaseException, adds, abort_engine_requests: bool) -> None:
         """End every stream (and every add not yet applied) with `error`; with
         abort_engine_requests, also abort their engine requests (frees their KV)."""
@@ -316,10 +310,7 @@ class AsyncEngine:
                 deliveries.setdefault(stream.loop, []).append((stream, error))
         self._streams.clear()
         for loop, items in deliveries.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+            _hand_to(loop, items)
 
     def _publish_stats(self) -> None:
         """A snapshot for /metrics, replaced whole (readers on other threads see one or the other)."""
@@ -336,6 +327,202 @@ class AsyncEngine:
             self.metrics.publish(self.stats)
 
 
+class AsyncEngine(_EngineDriver):
+    """The engine on its own thread (see the module docstring)."""
+
+    def __init__(self, engine: "LLMEngine", **kw):
+        super().__init__(engine, **kw)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="twinserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _wake(self) -> None:
+        self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._has_work():
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                deliveries, stepped = self._iteration()
+                if not stepped and self.engine.is_sleeping and self.engine.has_unfinished_requests():
+                    time.sleep(0.01)            # queued behind a sleeping engine: wait for wake_up
+                self._deliver(deliveries)
+        except BaseException as e:        # noqa: BLE001 - report it to every waiting handler
+            logger.exception("engine thread died")
+            self.error = e
+        finally:
+            self._shut_down()
+
+
 def _put_all(items) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)
+
+
+def _hand_to(loop: asyncio.AbstractEventLoop, items) -> bool:
+    """Put `items` on their streams' queues, which live on `loop`: directly on that loop's
+    own thread, else through one call_soon_threadsafe. False if the loop is closed."""
+    if _running_loop() is loop:
+        _put_all(items)
+        return True
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:
+        return False
+    return True
+
+
+class LoopEngine(_EngineDriver):
+    """The engine on the event loop itself, for an executor whose steps only wait (the
+    simulated one, `serve --simulate`): an iteration runs on the loop at once, and its
+    step's outputs are handed over when the executor's deferred clock says the step ends
+    (a loop timer); meanwhile the loop serves HTTP. No engine thread means no thread
+    wake-up, no cross-thread hand-off and no GIL switch per step, and the replicas of
+    `--replicas N` all run on the one loop. Iterations follow AsyncEngine's: what was
+    handed over during a step is applied when it ends, then the next step starts."""
+
+    def __init__(self, engine: "LLMEngine", **kw):
+        super().__init__(engine, **kw)
+        self.clock = engine.executor.defer_waits()
+        engine.core.clock = self.clock.now      # stamps taken after a step's wait: the step's end
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.Handle | None = None      # the next iteration, when one is scheduled
+        self._in_flight: dict | None = None            # a waiting step's deliveries
+        self._started = False
+        self._stopped = False
+
+    def start(self) -> None:
+        self._started = True
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:                # bound by the first request's loop
+            pass
+
+    @property
+    def is_running(self) -> bool:
+        return self._started and not self._stopped and self.error is None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop: a step in flight hands its outputs over at once, then every stream still
+        open and every pending add ends with EngineDeadError. Callable from any thread."""
+        with self._cond:
+            self._stopping = True
+        loop = self._loop
+        if loop is None or loop.is_closed() or not loop.is_running() or _running_loop() is loop:
+            self._stop()
+            return
+        done = threading.Event()
+        try:
+            loop.call_soon_threadsafe(self._stop, done)
+        except RuntimeError:                # closed meanwhile
+            self._stop()
+            return
+        done.wait(timeout)
+
+    def _wake(self) -> None:
+        if self._timer is not None or self._stopped or self.error is not None:
+            return                          # the next iteration (or a step's end) takes it
+        running = _running_loop()
+        if self._loop is None or self._loop.is_closed():
+            self._loop = running
+        if self._loop is None:
+            raise RuntimeError("LoopEngine: no event loop to run the engine on")
+        if running is self._loop:
+            self._timer = self._loop.call_soon(self._run_iteration)
+        else:
+            self._timer = self._loop.call_soon_threadsafe(self._run_iteration)
+
+    def _run_iteration(self) -> None:
+        self._timer = None
+        if self._stopping:
+            self._stop()
+            return
+        try:
+            deliveries, stepped = self._iteration()
+        except BaseException as e:      # noqa: BLE001 - report it to every waiting handler
+            logger.exception("engine step failed")
+            self.error = e
+            self._stop()
+            return
+        finally:
+            self.clock.resume_at(None)
+        if stepped:
+            delay = self.clock.due - time.monotonic()
+            if delay > 0:
+                self._in_flight = deliveries
+                self._timer = self._loop.call_later(delay, self._step_ended)
+                return
+        self._deliver(deliveries)          # no wait left (a step that cost nothing, or a late loop)
+        self._schedule_next(stepped, at_step_end=False)
+
+    def _step_ended(self) -> None:
+        self._timer = None
+        deliveries, self._in_flight = self._in_flight, None
+        self._deliver(deliveries)
+        self._schedule_next(stepped=True, at_step_end=True)
+
+    def _schedule_next(self, stepped: bool, at_step_end: bool) -> None:
+        with self._cond:
+            more = self._has_work()
+        if not more:
+            return                          # idle until a handler hands something over
+        if stepped:
+            # The next step starts where this one ended, however late the loop came back
+            # to it (HTTP work, other replicas): the deployment's timeline does not drift
+            # with this process's load; only the hand-overs are late.
+            self.clock.resume_at(self.clock.due)
+            if at_step_end:
+                self._run_iteration()
+            else:                           # (called from an iteration: no recursion)
+                self._timer = self._loop.call_soon(self._run_iteration)
+        elif self.engine.is_sleeping and not self._stopping:
+            # queued behind a sleeping engine (/sleep): look again in 10 ms, for wake_up
+            self._timer = self._loop.call_later(0.01, self._run_iteration)
+        else:
+            self._timer = self._loop.call_soon(self._run_iteration)
+
+    def _stop(self, done: threading.Event | None = None) -> None:
+        if not self._stopped:
+            self._stopped = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._in_flight is not None:     # a step was waiting: its outputs first
+                deliveries, self._in_flight = self._in_flight, None
+                self._deliver(deliveries)
+            self._shut_down()
+        if done is not None:
+            done.set()
+
+
+def make_async_engine(engine: "LLMEngine", **kw) -> _EngineDriver:
+    """The driver for `engine`: LoopEngine when its executor's steps only wait on the wall
+    clock (the simulated executor), else AsyncEngine's thread."""
+    can_defer = getattr(engine.executor, "can_defer_waits", None)
+    return LoopEngine(engine, **kw) if can_defer is not None and can_defer() else AsyncEngine(engine, **kw)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
