@@ -26,15 +26,17 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        # by value: a member's hash is Enum.__hash__, a Python call, and this is asked
+        # dozens of times per request and step
+        return self._value_ in _FINISHED_VALUES
 
 
-_FINISHED = {
+_FINISHED_VALUES = frozenset(s.value for s in (
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_REJECTED,
-}
+))
 
 _seq_ids = itertools.count()
 

@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("twinserve.server")
 
 
+_CLOSED = object()                  # RequestStream.close()'s marker in its queue
+
+
 @dataclass
 class _Ack:
     prompt_token_ids: list[list[int]]
@@ -111,9 +114,17 @@ class RequestStream:
             raise RequestTimeoutError("the request took longer than the server's --request-timeout; "
                                       "it was aborted") from None
 
+    def close(self) -> None:
+        """End the iteration now (its client left; abort the requests first): what the
+        engine still hands over is not read."""
+        self.unfinished.clear()
+        self.queue.put_nowait(_CLOSED)
+
     async def _iterate(self):
         while self.unfinished:
             item = await self._next_item()
+            if item is _CLOSED:
+                return
             if isinstance(item, BaseException):     # the engine side dropped these requests
                 self.unfinished.clear()
                 raise item

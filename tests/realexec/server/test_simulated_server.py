@@ -106,6 +106,37 @@ def test_metric_names_equal_the_real_servers(url, tmp_path):
     assert "twinserve:time_to_first_token_seconds" in sim_names[0]
 
 
+def test_a_queued_stream_whose_client_leaves_is_aborted_at_once():
+    """max_num_seqs=1: one stream runs, a second waits in the queue (its 200 and headers
+    are out, no token is due). Its client disconnects: the server notices from the
+    connection alone (no write fails, none is made), aborts it and frees its place in the
+    queue while the first stream keeps running."""
+    from realexec.engine.llm_engine import LLMEngine
+    from realexec.server.app import create_app
+    from tests.realexec.server.test_server import wait_for
+
+    aborted = "twinserve:request_success_total{finished_reason=abort}"
+    body = {"prompt": "Long story:", "max_tokens": 1900, "stream": True, **IGNORE_EOS}
+    app = create_app(LLMEngine(EngineArgs(**{**SIM_ARGS, "max_num_seqs": 1})), served_model_name=TINY)
+    with serve(app) as base, httpx.Client(base_url=base, timeout=30) as http, \
+            httpx.Client(base_url=base, timeout=30) as first_client, \
+            first_client.stream("POST", "/v1/completions", json=body) as first:
+        first_lines = (ln for ln in first.iter_lines() if ln.startswith("data: "))
+        next(first_lines)
+        with httpx.Client(base_url=base, timeout=30) as second_client, \
+                second_client.stream("POST", "/v1/completions", json=body) as second:
+            assert second.status_code == 200
+            m = metrics(http)
+            assert m["twinserve:num_requests_running"] == 1 and m["twinserve:num_requests_waiting"] == 1
+        # the second connection is closed, unread
+        m = wait_for(lambda: (m := metrics(http))["twinserve:num_requests_waiting"] == 0 and m, timeout=5,
+                     what="the queued request's abort")
+        assert m[aborted] == 1 and m["twinserve:num_requests_running"] == 1
+        # ... and its handler ended (a drain would wait for one that did not)
+        wait_for(lambda: app.state.server.in_flight == 1, timeout=5, what="the second handler to end")
+        next(first_lines)                        # the first stream goes on
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 def _consecutive_free_ports(n: int) -> int:
