@@ -81,6 +81,14 @@ def add_vs_real_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+# `simulate-cpu --floor`: result key, sse_floor.py's extra arguments
+FLOORS = (("floor", ()), ("framework_floor", ("--fastapi",)))
+FLOOR_WHAT = {"floor": "sse_floor.py: uvloop + httptools, one SSE event per token every {step_ms:.1f} ms, "
+                       "no framework, no engine",
+              "framework_floor": "sse_floor.py --fastapi: the same events from a bare FastAPI handler under uvicorn, "
+                                 "no engine"}
+
+
 def add_cpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, default=100.0, help="requests per second [100]")
     parser.add_argument("--num-requests", type=int, default=1000, help="requests sent [1000]")
@@ -90,9 +98,10 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--sim-hardware", default="H100", help="the server's --sim-hardware [H100]")
     parser.add_argument("--out", default=None, metavar="OUT.json", help="write the measurement here")
     parser.add_argument("--floor", action="store_true",
-                        help="also serve the same load from realexec/bench/sse_floor.py (uvloop + httptools, one SSE "
-                             "event per token at the simulated server's median TPOT, no framework, no engine) and "
-                             "print the simulated server's CPU per request against it")
+                        help="also serve the same load from realexec/bench/sse_floor.py, raw (uvloop + httptools, "
+                             "one SSE event per token at the simulated server's median TPOT, no framework, no "
+                             "engine) and --fastapi (the same events from a bare FastAPI handler), and print the "
+                             "simulated server's CPU per request against both")
     return parser
 
 
@@ -326,7 +335,7 @@ def run_cpu(args) -> int:
     flags = ["--simulate", args.simulate, "--log-level", "warning"]
     if args.simulate == "roofline":
         flags += ["--sim-model", args.sim_model, "--sim-hardware", args.sim_hardware]
-    floor = None
+    floors = {}
     with tempfile.TemporaryDirectory() as tmp:
         trace = _short_trace(Path(tmp) / "short.json", args.num_requests, args.max_tokens,
                              "simulate-cpu: short prompts")
@@ -334,11 +343,12 @@ def run_cpu(args) -> int:
             m = _measure_cpu(server.url, server.proc.pid, str(trace), args)
         if args.floor:
             step_s = max(m["summary"]["median_tpot_ms"] / 1e3, 0.001)    # the simulated server's pace
-            port = free_port()
-            cmd = [sys.executable, str(Path(__file__).with_name("sse_floor.py")), str(port), f"{step_s:.6f}"]
-            with serve_process(cmd, port, Path(tmp) / "floor.log", ready_timeout=60) as server:
-                floor = _measure_cpu(server.url, server.proc.pid, str(trace), args)
-            floor["step_s"] = step_s
+            for name, extra in FLOORS:
+                port = free_port()
+                cmd = [sys.executable, str(Path(__file__).with_name("sse_floor.py")), str(port), f"{step_s:.6f}", *extra]
+                with serve_process(cmd, port, Path(tmp) / f"{name}.log", ready_timeout=60) as server:
+                    floors[name] = _measure_cpu(server.url, server.proc.pid, str(trace), args)
+                floors[name]["step_s"] = step_s
     summary, wall, cpu = m["summary"], m["wall_s"], m["cpu_s"]
     share = cpu / wall
     result = {"rate": args.rate, "achieved_request_throughput": summary["request_throughput"],
@@ -352,17 +362,17 @@ def run_cpu(args) -> int:
           f"{args.max_tokens} output tokens each): the server process used {cpu:.2f} CPU s in "
           f"{wall:.2f} s = {share:.1%} of a core, {cpu / args.num_requests * 1e3:.2f} ms per request; "
           f"busiest threads {', '.join(f'{x:.2f}' for x in m['threads'][:3])} s (load {m['loadavg'][0][0]:.2f})")
-    if floor is not None:
+    for name, floor in floors.items():
         f_cpu, f_wall = floor["cpu_s"], floor["wall_s"]
-        result["floor"] = {"cpu_s": f_cpu, "wall_s": f_wall, "cores": f_cpu / f_wall, "step_s": floor["step_s"],
-                           "cpu_ms_per_request": f_cpu / args.num_requests * 1e3,
-                           "achieved_request_throughput": floor["summary"]["request_throughput"],
-                           "loadavg": floor["loadavg"]}
-        result["vs_floor"] = cpu / f_cpu if f_cpu > 0 else None
-        print(f"floor (sse_floor.py: uvloop + httptools, one SSE event per token every {floor['step_s'] * 1e3:.1f} "
-              f"ms, no framework, no engine): {floor['summary']['request_throughput']:.1f} req/s, {f_cpu:.2f} CPU s = "
+        result[name] = {"cpu_s": f_cpu, "wall_s": f_wall, "cores": f_cpu / f_wall, "step_s": floor["step_s"],
+                        "cpu_ms_per_request": f_cpu / args.num_requests * 1e3,
+                        "achieved_request_throughput": floor["summary"]["request_throughput"],
+                        "loadavg": floor["loadavg"]}
+        result[f"vs_{name}"] = cpu / f_cpu if f_cpu > 0 else None
+        what = FLOOR_WHAT[name].format(step_ms=floor["step_s"] * 1e3)
+        print(f"{name} ({what}): {floor['summary']['request_throughput']:.1f} req/s, {f_cpu:.2f} CPU s = "
               f"{f_cpu / f_wall:.1%} of a core, {f_cpu / args.num_requests * 1e3:.2f} ms per request; the simulated "
-              f"server costs {cpu / f_cpu:.1f}x the floor" if f_cpu > 0 else "floor: no CPU time measured")
+              f"server costs {cpu / f_cpu:.1f}x this floor" if f_cpu > 0 else f"{name}: no CPU time measured")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

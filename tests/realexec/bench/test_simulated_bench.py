@@ -54,17 +54,19 @@ def test_simulate_cpu_measures_the_simulated_server_and_the_floor_in_one_run(tmp
                         "30", "--max-tokens", "4", "--floor", "--out", str(out)],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "the simulated server costs" in r.stdout and "x the floor" in r.stdout
+    assert r.stdout.count("the simulated server costs") == 2 and "sse_floor.py --fastapi" in r.stdout
     result = json.loads(out.read_text())
     assert result["achieved_request_throughput"] > 0 and result["server_cpu_s"] > 0
-    floor = result["floor"]
-    assert floor["cpu_s"] > 0 and floor["achieved_request_throughput"] > 0
-    assert floor["step_s"] == pytest.approx(max(result["median_tpot_ms"] / 1e3, 0.001), rel=1e-3)
-    assert result["vs_floor"] == pytest.approx(result["server_cpu_s"] / floor["cpu_s"])
+    for name in ("floor", "framework_floor"):
+        floor = result[name]
+        assert floor["cpu_s"] > 0 and floor["achieved_request_throughput"] == pytest.approx(20, rel=0.3)
+        assert floor["step_s"] == pytest.approx(max(result["median_tpot_ms"] / 1e3, 0.001), rel=1e-3)
+        assert result[f"vs_{name}"] == pytest.approx(result["server_cpu_s"] / floor["cpu_s"])
 
 
-def test_the_floor_server_streams_openai_chunks_and_refuses_a_bad_body(tmp_path):
-    """The floor speaks just enough of the API for the load generator: a stream of
+@pytest.mark.parametrize("extra", [[], ["--fastapi"]], ids=["raw", "fastapi"])
+def test_the_floor_server_streams_openai_chunks_and_refuses_a_bad_body(tmp_path, extra):
+    """Both floors speak just enough of the API for the load generator: a stream of
     completion chunks of max_tokens tokens, [DONE], keep-alive; 400 for a body that is not
     a JSON object."""
     import json
@@ -77,11 +79,11 @@ def test_the_floor_server_streams_openai_chunks_and_refuses_a_bad_body(tmp_path)
 
     port = free_port()
     script = Path(__file__).resolve().parents[3] / "realexec" / "bench" / "sse_floor.py"
-    with serve_process([sys.executable, str(script), str(port), "0.001"], port,
+    with serve_process([sys.executable, str(script), str(port), "0.001", *extra], port,
                        tmp_path / "floor.log", ready_timeout=60) as s:
         body = json.dumps({"model": "floor", "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
         with urllib.request.urlopen(urllib.request.Request(s.url + "/v1/completions", body), timeout=10) as resp:
-            assert resp.headers["content-type"] == "text/event-stream"
+            assert resp.headers["content-type"].startswith("text/event-stream")
             events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and len(events) == 4
         chunks = [json.loads(e) for e in events[:-1]]
