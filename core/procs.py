@@ -46,6 +46,33 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = HOST, attempts: int = 50) -> int:
+    """The first of `n` consecutive TCP ports nothing listens on at `host` now (for
+    `serve --replicas N`, which takes PORT..PORT+N-1); the same caveat as free_port."""
+    if n < 1:
+        raise ValueError(f"free_ports: n must be >= 1, got {n}")
+    for _ in range(attempts):
+        socks: list[socket.socket] = []
+        try:
+            first = socket.socket()
+            socks.append(first)
+            first.bind((host, 0))
+            port = first.getsockname()[1]
+            if port + n - 1 > 65535:
+                continue
+            for p in range(port + 1, port + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"free_ports: no {n} consecutive free ports at {host} in {attempts} attempts")
+
+
 def log_tail(log: str | Path, chars: int = 2000) -> str:
     """The last `chars` characters of a log file ('' if it cannot be read)."""
     try:

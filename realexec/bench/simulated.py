@@ -93,6 +93,9 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--rate", type=float, default=100.0, help="requests per second [100]")
     parser.add_argument("--num-requests", type=int, default=1000, help="requests sent [1000]")
     parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request [8]")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="serve from this many simulated replicas of one process (serve --replicas N), "
+                             "the rate and the requests split evenly over them [1]")
     parser.add_argument("--simulate", default="roofline", help="the server's --simulate [roofline]")
     parser.add_argument("--sim-model", default="Llama-3-8B", help="the server's --sim-model [Llama-3-8B]")
     parser.add_argument("--sim-hardware", default="H100", help="the server's --sim-hardware [H100]")
@@ -109,19 +112,34 @@ def add_cpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def _bench(url: str, trace: str, num_requests: int, rate: float, max_tokens_cap: int | None) -> dict:
     """One `bench serve` run in this process; its summary (vLLM's keys, p50/p90/p99)."""
+    return _bench_many([url], trace, num_requests, rate, max_tokens_cap)[0]
+
+
+def _bench_many(urls: list[str], trace: str, num_requests: int, rate: float,
+                max_tokens_cap: int | None) -> list[dict]:
+    """One `bench serve` run per URL, all at once in this process (the i-th with arrival
+    seed i, so replicas do not get their requests at the same instants); their summaries."""
     from realexec.bench import serve as bench_serve
 
-    argv = ["--url", url, "--trace", trace, "--num-requests", str(num_requests), "--rate", f"{rate:g}",
-            "--metric-percentiles", "90,99", "--seed", "0"]
-    if max_tokens_cap is not None:
-        argv += ["--max-tokens-cap", str(max_tokens_cap)]
-    args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(argv)
-    bench_serve._check_args(args)
-    summary, _ = asyncio.run(bench_serve.benchmark(args, bench_serve.build_requests(args)))
-    if summary["failed"]:
-        errors = [e for e in summary["errors"] if e]
-        raise RuntimeError(f"bench serve against {url}: {summary['failed']} request(s) failed: {errors[0]}")
-    return summary
+    runs = []
+    for seed, url in enumerate(urls):
+        argv = ["--url", url, "--trace", trace, "--num-requests", str(num_requests), "--rate", f"{rate:g}",
+                "--metric-percentiles", "90,99", "--seed", str(seed)]
+        if max_tokens_cap is not None:
+            argv += ["--max-tokens-cap", str(max_tokens_cap)]
+        args = bench_serve.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+        bench_serve._check_args(args)
+        runs.append((args, bench_serve.build_requests(args)))
+
+    async def run_all():
+        return await asyncio.gather(*(bench_serve.benchmark(args, requests) for args, requests in runs))
+
+    summaries = [summary for summary, _ in asyncio.run(run_all())]
+    for url, summary in zip(urls, summaries):
+        if summary["failed"]:
+            errors = [e for e in summary["errors"] if e]
+            raise RuntimeError(f"bench serve against {url}: {summary['failed']} request(s) failed: {errors[0]}")
+    return summaries
 
 
 def slice_prompts(trace: str, num_requests: int) -> list[str | list[int]]:
@@ -313,52 +331,71 @@ def run_vs_real(args) -> int:
     return 0
 
 
-def _measure_cpu(url: str, pid: int, trace: str, args) -> dict:
-    """Serve the measured load from the server at `url` (process `pid`) after a warm-up:
-    its bench summary and the process's CPU seconds, per thread too, over the run."""
-    _bench(url, trace, 20, 20.0, None)            # warm-up (first requests, imports)
+def _measure_cpu(urls: list[str], pid: int, trace: str, args) -> dict:
+    """Serve the measured load from the servers at `urls` (all in process `pid`; the rate
+    and the requests split evenly over them) after a warm-up: the bench summary (one
+    server's, or the replicas' combined: summed throughput, mean of their medians) and the
+    process's CPU seconds, per thread too, over the run."""
+    n = len(urls)
+    _bench_many(urls, trace, max(2, 20 // n), 20.0 / n, None)     # warm-up (first requests, imports)
     load_before = _load_avg()
     threads0, cpu0, t0 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
-    summary = _bench(url, trace, args.num_requests, args.rate, None)
+    summaries = _bench_many(urls, trace, args.num_requests // n, args.rate / n, None)
     threads1, cpu1, t1 = _thread_cpu_seconds(pid), _cpu_seconds(pid), time.monotonic()
-    # where it went: the busiest threads (the event loop's HTTP work, the engine thread, ...)
+    # where it went: the busiest threads (the event loop's HTTP work, an engine thread, ...)
     by_thread = sorted(((threads1[t] - threads0.get(t, 0.0)) for t in threads1), reverse=True)
+    summary = dict(summaries[0])
+    if n > 1:
+        for key in ("median_ttft_ms", "median_tpot_ms"):
+            summary[key] = sum(s[key] for s in summaries) / n
+        for key in ("request_throughput", "output_throughput", "completed"):
+            summary[key] = sum(s[key] for s in summaries)
     return {"summary": summary, "cpu_s": cpu1 - cpu0, "wall_s": t1 - t0, "threads": by_thread,
             "loadavg": [load_before, _load_avg()]}
 
 
 def run_cpu(args) -> int:
-    from core.procs import free_port, realexec_server, serve_process
+    from core.procs import free_port, free_ports, realexec_server, serve_process, wait_healthy
 
     if not args.rate > 0 or args.num_requests < 1 or args.max_tokens < 1:
         raise ValueError("--rate must be > 0, --num-requests and --max-tokens >= 1")
+    if not 1 <= args.replicas <= args.num_requests:
+        raise ValueError(f"--replicas must be from 1 to --num-requests ({args.num_requests}), got {args.replicas}")
     flags = ["--simulate", args.simulate, "--log-level", "warning"]
+    if args.replicas > 1:
+        flags += ["--replicas", str(args.replicas)]
     if args.simulate == "roofline":
         flags += ["--sim-model", args.sim_model, "--sim-hardware", args.sim_hardware]
     floors = {}
     with tempfile.TemporaryDirectory() as tmp:
         trace = _short_trace(Path(tmp) / "short.json", args.num_requests, args.max_tokens,
                              "simulate-cpu: short prompts")
-        with realexec_server(flags, Path(tmp) / "server.log", ready_timeout=300) as server:
-            m = _measure_cpu(server.url, server.proc.pid, str(trace), args)
+        port = free_ports(args.replicas)
+        with realexec_server(flags, Path(tmp) / "server.log", port=port, ready_timeout=300) as server:
+            urls = [f"http://127.0.0.1:{port + i}" for i in range(args.replicas)]
+            for url in urls[1:]:
+                wait_healthy(url, server.proc, server.log, timeout=60)
+            m = _measure_cpu(urls, server.proc.pid, str(trace), args)
         if args.floor:
             step_s = max(m["summary"]["median_tpot_ms"] / 1e3, 0.001)    # the simulated server's pace
             for name, extra in FLOORS:
                 port = free_port()
                 cmd = [sys.executable, str(Path(__file__).with_name("sse_floor.py")), str(port), f"{step_s:.6f}", *extra]
                 with serve_process(cmd, port, Path(tmp) / f"{name}.log", ready_timeout=60) as server:
-                    floors[name] = _measure_cpu(server.url, server.proc.pid, str(trace), args)
+                    floors[name] = _measure_cpu([server.url], server.proc.pid, str(trace), args)
                 floors[name]["step_s"] = step_s
     summary, wall, cpu = m["summary"], m["wall_s"], m["cpu_s"]
     share = cpu / wall
     result = {"rate": args.rate, "achieved_request_throughput": summary["request_throughput"],
-              "num_requests": args.num_requests, "max_tokens": args.max_tokens, "server_flags": flags,
+              "num_requests": args.num_requests, "max_tokens": args.max_tokens, "replicas": args.replicas,
+              "server_flags": flags,
               "server_cpu_s": cpu, "wall_s": wall, "cores": share,
               "thread_cpu_s": [round(x, 3) for x in m["threads"] if x > 0],
               "cpu_ms_per_request": cpu / args.num_requests * 1e3,
               "median_ttft_ms": summary["median_ttft_ms"], "median_tpot_ms": summary["median_tpot_ms"],
               "loadavg": m["loadavg"]}
-    print(f"simulate-cpu: {summary['request_throughput']:.1f} req/s served ({args.rate:g} offered, "
+    over = f" over {args.replicas} replicas" if args.replicas > 1 else ""
+    print(f"simulate-cpu: {summary['request_throughput']:.1f} req/s served{over} ({args.rate:g} offered, "
           f"{args.max_tokens} output tokens each): the server process used {cpu:.2f} CPU s in "
           f"{wall:.2f} s = {share:.1%} of a core, {cpu / args.num_requests * 1e3:.2f} ms per request; "
           f"busiest threads {', '.join(f'{x:.2f}' for x in m['threads'][:3])} s (load {m['loadavg'][0][0]:.2f})")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from core.procs import ServerError, free_port, realexec_serve_cmd, realexec_server, serve_process
+from core.procs import ServerError, free_port, free_ports, realexec_serve_cmd, realexec_server, serve_process
 
 FAKE = textwrap.dedent("""
     import http.server, os, signal, sys, threading, time
@@ -69,6 +69,20 @@ def test_free_port_is_free_on_loopback():
     assert 1024 <= port < 65536
     with socket.socket() as s:          # nothing holds it: we can bind it ourselves
         s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_are_consecutive_and_free():
+    """`serve --replicas 4` takes PORT..PORT+3: all four can be bound."""
+    port = free_ports(4)
+    socks = [socket.socket() for _ in range(4)]
+    try:
+        for i, s in enumerate(socks):
+            s.bind(("127.0.0.1", port + i))
+    finally:
+        for s in socks:
+            s.close()
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        free_ports(0)
 
 
 def test_server_is_healthy_inside_and_stopped_with_sigint_after(fake, tmp_path):

@@ -64,6 +64,30 @@ def test_simulate_cpu_measures_the_simulated_server_and_the_floor_in_one_run(tmp
         assert result[f"vs_{name}"] == pytest.approx(result["server_cpu_s"] / floor["cpu_s"])
 
 
+def test_simulate_cpu_spreads_the_load_over_replicas_of_one_process(tmp_path):
+    """`simulate-cpu --replicas 3`: one `serve --replicas 3` process, each replica a third
+    of the requests and of the rate; the throughput is theirs together."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    out = tmp_path / "cpu.json"
+    r = subprocess.run([sys.executable, "-m", "realexec", "bench", "simulate-cpu", "--rate", "30", "--num-requests",
+                        "45", "--max-tokens", "3", "--replicas", "3", "--out", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "req/s served over 3 replicas" in r.stdout
+    result = json.loads(out.read_text())
+    flags = result["server_flags"]
+    assert result["replicas"] == 3 and flags[flags.index("--replicas") + 1] == "3"
+    assert result["achieved_request_throughput"] == pytest.approx(30, rel=0.35) and result["server_cpu_s"] > 0
+    bad = subprocess.run([sys.executable, "-m", "realexec", "bench", "simulate-cpu", "--num-requests", "2",
+                          "--replicas", "3"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--replicas must be from 1 to --num-requests (2), got 3" in bad.stderr
+
+
 @pytest.mark.parametrize("extra", [[], ["--fastapi"]], ids=["raw", "fastapi"])
 def test_the_floor_server_streams_openai_chunks_and_refuses_a_bad_body(tmp_path, extra):
     """Both floors speak just enough of the API for the load generator: a stream of

@@ -10,7 +10,6 @@ names as the real server, and several replicas from one process.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -139,35 +138,12 @@ def test_a_queued_stream_whose_client_leaves_is_aborted_at_once():
 
 # ----------------------------------------------------------------------------- the CLI
 
-def _consecutive_free_ports(n: int) -> int:
-    for _ in range(50):
-        socks = []
-        try:
-            first = socket.socket()
-            first.bind(("127.0.0.1", 0))
-            socks.append(first)
-            port = first.getsockname()[1]
-            if port + n - 1 > 65535:
-                continue
-            for p in range(port + 1, port + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 def test_replicas_serve_from_one_process_and_drain_together(tmp_path):
     """`--replicas 2`: two engines on ports P and P+1 of one process, each with its own
     metrics; one SIGINT drains both and the process exits 0 with every block free."""
-    from core.procs import serve_process, stop, wait_healthy
+    from core.procs import free_ports, serve_process, stop, wait_healthy
 
-    port = _consecutive_free_ports(2)
+    port = free_ports(2)
     cmd = [sys.executable, "-m", "realexec", "serve", "--port", str(port), "--replicas", "2", "--simulate",
            "roofline", "--sim-model", "Llama-3-8B", "--sim-hardware", "H100", "--log-level", "warning"]
     log = tmp_path / "serve.log"
