@@ -155,6 +155,10 @@ class ContiguousKVCacheManager:
         return self._fits_plan(plan)
 
     # -- allocation -----------------------------------------------------------------------
+    def claim_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        if cached:                  # find_cached_prefix finds none: regions are never shared
+            raise ValueError("contiguous allocation has no prefix cache to hit")
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached=()) -> bool:
         table = self.tables.get(seq.seq_id)
         end = seq.num_computed_tokens + num_new_tokens

@@ -144,10 +144,8 @@ class KVCacheManager:
         if table is None:
             if self.blocks_needed(seq, num_new_tokens, cached) > gpu.num_free:
                 return False
-            for b in cached:
-                gpu.hit(b)
-            table = self.tables[seq.seq_id] = list(cached)
-            self._num_registered[seq.seq_id] = len(cached)
+            self.claim_prefix(seq, cached)
+            table = self.tables[seq.seq_id]
         computed = seq.num_computed_tokens
         end = computed + num_new_tokens
         need = -(-end // bs) - len(table)
@@ -170,6 +168,20 @@ class KVCacheManager:
         if self.enable_prefix_caching and full > self._num_registered[seq.seq_id]:
             self._publish(seq, table, full)
         return True
+
+    def claim_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Start `seq`'s table with its prefix-cache hits `cached`, a reference on each
+        (before its first allocation; nothing if it has a table). Admitting several
+        sequences (a recomputed n > 1 or beam request: each hits its own blocks), the
+        scheduler claims every sequence's hits before any fresh block is taken: a fresh
+        block may be a cached one evicted, and it must not be one another sequence of the
+        group is about to hit."""
+        if seq.seq_id in self.tables:
+            return
+        for b in cached:
+            self.gpu.hit(b)
+        self.tables[seq.seq_id] = list(cached)
+        self._num_registered[seq.seq_id] = len(cached)
 
     def allocate_group(self, plan: list[tuple[Sequence, int]]) -> bool:
         if len(plan) == 1:

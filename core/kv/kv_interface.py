@@ -57,6 +57,9 @@ class KVManager(Protocol):
         leaving the watermark free (`keep_watermark=False`: the engine is idle, nothing to protect)?"""
 
     # -- allocation -------------------------------------------------------------------
+    def claim_prefix(self, seq: "Sequence", cached: list[int]) -> None:
+        """Start a table-less `seq`'s table with its prefix hits (references taken), so that
+        no fresh allocation evicts them before the sequence's own allocate_slots."""
     def allocate_slots(self, seq: "Sequence", num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Make `seq`'s table cover its computed tokens plus `num_new_tokens`; False (and no
         change) if memory is short."""

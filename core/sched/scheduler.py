@@ -584,11 +584,14 @@ class Scheduler:
             for seq in request.seqs:
                 if seq.seq_id not in planned:
                     seq.num_computed_tokens = 0    # no table yet: computes from scratch later
+            # Every sequence's hits are claimed before any fresh block is taken: a fresh
+            # block may be a cached one evicted, never one a later sequence of the group hits.
+            for seq, _ in plan:
+                kv.claim_prefix(seq, hits[seq.seq_id])
             for seq, n in plan:
-                cached = hits[seq.seq_id]
-                ok = kv.allocate_slots(seq, n, cached)
+                ok = kv.allocate_slots(seq, n)
                 assert ok, "admission allocation failed after a successful capacity check"
-                kv.record_prefix_query(len(seq.token_ids), len(cached) * bs)
+                kv.record_prefix_query(len(seq.token_ids), len(hits[seq.seq_id]) * bs)
             for seq in request.seqs:
                 seq.status = RUNNING
             request.status = RUNNING

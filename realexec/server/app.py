@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible endpoints over an AsyncEngine.
+"""The FastAPI app: OpenAI-compatible endpoints over an engine driver (AsyncEngine's
+thread, or a LoopEngine for a simulated engine: async_engine.py).
 
     app = create_app(LLMEngine(args), served_model_name="SmolLM2-135M-Instruct",
                      config=ServerConfig(api_key="sk-...", request_timeout=60))

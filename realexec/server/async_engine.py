@@ -33,6 +33,11 @@ request's KV blocks) and counts it as finished_reason="abort". `abort_all(error)
 Faults. If a step raises, the thread records the error, hands EngineDeadError to every
 stream and every pending add, and exits; later `generate` calls raise EngineDeadError.
 Nothing is dropped silently: each stream ends with an output that finished or an error.
+
+LoopEngine (below) is the same driver without the thread, for the simulated engine whose
+steps only wait: iterations run on the event loop and a step's wait is a loop timer.
+`make_async_engine` picks one; both share the hand-over, routing and failure code
+(`_EngineDriver`).
 """
 from __future__ import annotations
 

@@ -188,6 +188,24 @@ def test_a_stop_string_match_waits_for_the_batch_and_stops_the_overlap():
     assert seq.output_token_ids == expected(r)[0][:1]
 
 
+def test_a_recomputed_group_keeps_its_prefix_hits():
+    """Hypothesis's find (stop 40): an n = 3 request is preempted by recompute after its
+    forks' first blocks filled; on readmission each sequence hits its own cached block,
+    and the parent's fresh block must not evict a hit of a later sibling (it did: the
+    sibling then read another prefix's KV). Every read is checked by the KV-checking
+    worker; every sample equals an unpreempted run's."""
+    engine, sched, ex = make(max_num_seqs=5, max_num_batched_tokens=MAX_MODEL_LEN, num_gpu_blocks=8,
+                             enable_prefix_caching=True, preemption="recompute", watermark=0.0)
+    a = add(engine, "a", [0, 0, 0, 0], max_tokens=6)
+    b = add(engine, "b", [0] * 8, max_tokens=6)
+    c = engine.add_request(Request("c", [0, 0, 0], SamplingParams(max_tokens=3, n=3), eos_token_id=EOS))
+    engine.run_until_done(200)
+    assert sched.num_preemptions > 0 and sched.kv.stats().prefix_cache_hits > 0
+    for r in (a, b, c):
+        assert sorted(s.output_token_ids for s in r.finished_seqs) == sorted(expected(r))
+    assert sched.kv.gpu.num_used == 0
+
+
 def test_a_victim_in_flight_is_recomputed_even_under_swap():
     engine, sched, ex = make(max_num_batched_tokens=32, num_gpu_blocks=8, num_cpu_blocks=32, watermark=0.0,
                              preemption="swap")
