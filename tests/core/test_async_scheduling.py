@@ -13,109 +13,30 @@ request must end with exactly the tokens of an unpreempted one-batch-at-a-time r
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
 
 import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import initialize, invariant
 
-from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestStatus, SamplingParams, Scheduler, \
-    SchedulerConfig
-from core.step_message import NewRequest, NewSeq, SeqDelta, StepMessage, StepMessageBuilder, params_to_plain
+from core import CacheConfig, EngineCore, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from core.step_message import NewRequest, NewSeq, SeqDelta, StepMessage, params_to_plain
 from policies import PolicySet
 from realexec.worker.model_runner import ModelRunner
+from tests.core.kv_checking import KVCheckingExecutor
 from tests.core.sched.test_scheduler import BS, EOS, MAX_MODEL_LEN, SETUP, InFlightRules, SchedulerMachine
-from tests.core.toy_executor import candidate_logprobs, next_token, reference_outputs
+from tests.core.toy_executor import reference_outputs
 
 
-def fingerprint(prefix: list[int]) -> int:
-    return hash(tuple(prefix))
-
-
-class KVCheckingExecutor:
-    """Computes each step at submission on a message-fed worker state, checking the KV cache."""
-
-    def __init__(self, kv=None, block_size: int = BS):
-        self.kv = kv                          # given: free GPU blocks are recorded per step
-        self.bs = block_size
-        self.builder = StepMessageBuilder()
-        self.runner = ModelRunner(None, "cpu", block_size, None, provisional_tokens=True)
-        self.gpu: dict[int, int] = {}         # slot -> fingerprint of the prefix its KV encodes
-        self.cpu: dict[int, int] = {}
-        self.steps = []                       # SchedulerOutputs, in submission order
-        self.free_during: list[int] = []
-        self.placeholders = 0                 # slices that reached past the engine's known tokens
-
-    def execute_model_async(self, out) -> Future:
-        self.steps.append(out)
-        if self.kv is not None:
-            self.free_during.append(self.kv.stats().num_free_gpu_blocks)
-        self.placeholders += sum(s.start + s.num_tokens > len(s.seq.token_ids) for s in out.scheduled)
-        future: Future = Future()
-        future.set_result(self._run(self.builder.build(out)))
-        return future
-
-    def execute_model(self, out) -> ModelRunnerOutput:
-        return self.execute_model_async(out).result()
-
-    def _move(self, src: dict, dst: dict, pairs) -> None:
-        bs = self.bs
-        for a, b in pairs:
-            for off in range(bs):
-                value = src.get(a * bs + off)
-                if value is None:
-                    dst.pop(b * bs + off, None)
-                else:
-                    dst[b * bs + off] = value
-
-    def _run(self, msg) -> ModelRunnerOutput:
-        # The worker's order: swap out, swap in, copy, then the model.
-        self._move(self.gpu, self.cpu, msg.blocks_to_swap_out)
-        self._move(self.cpu, self.gpu, msg.blocks_to_swap_in)
-        self._move(self.gpu, self.gpu, msg.blocks_to_copy)
-        runner, bs = self.runner, self.bs
-        runner.update_states(msg)
-        if not msg.seq_ids:
-            return ModelRunnerOutput(token_ids={})
-        rows = runner.prepare_inputs(msg)[3]
-        batch = [(runner.seqs[sid], start, start + n) for sid, start, n in zip(msg.seq_ids, msg.starts, msg.num_tokens)]
-        for seq, start, end in batch:                       # the step writes its K/V first ...
-            toks, table = seq.token_ids, seq.block_ids
-            assert len(toks) >= end, (f"seq {seq.seq_id} computes [{start}, {end}) but the worker knows "
-                                      f"{len(toks)} of its tokens")
-            for p in range(start, end):
-                self.gpu[table[p // bs] * bs + p % bs] = fingerprint(toks[:p + 1])
-        for seq, _, end in batch:                           # ... then attention reads the context
-            toks, table = seq.token_ids, seq.block_ids
-            for p in range(end):
-                slot = table[p // bs] * bs + p % bs
-                assert self.gpu.get(slot) == fingerprint(toks[:p + 1]), (
-                    f"seq {seq.seq_id} reads position {p} from block {table[p // bs]}, which holds other KV")
-        tokens, logprobs = {}, {}
-        for row in rows:
-            history = row.seq.token_ids        # all of it, as a sampler's penalties read it
-            assert len(history) == row.end, f"seq {row.seq_id} samples with {len(history) - row.end} stale tokens"
-            k = row.num_samples
-            if row.seq.request.params.beam_width:
-                tokens[row.seq_id], logprobs[row.seq_id] = candidate_logprobs(history, k)
-            else:
-                tokens[row.seq_id] = [next_token(history, j) for j in range(k)]
-                logprobs[row.seq_id] = [-1.0] * k
-        result = ModelRunnerOutput(token_ids=tokens, logprobs=logprobs)
-        runner.keep_sampled(rows, [tokens[row.seq_id][0] for row in rows])
-        return result
-
-
-def make(**kw):
+def make(async_scheduling: bool = True, **kw):
     cache_kw = {k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__}
     policy_kw = {k: kw.pop(k) for k in list(kw) if k in ("queue", "preemption", "victim", "eviction", "scheduler")}
     kw.setdefault("max_model_len", MAX_MODEL_LEN)
     cache_kw.setdefault("block_size", BS)
     cache_kw.setdefault("num_gpu_blocks", 64)
-    sched = Scheduler(SchedulerConfig(async_scheduling=True, **kw), CacheConfig(**cache_kw),
+    sched = Scheduler(SchedulerConfig(async_scheduling=async_scheduling, **kw), CacheConfig(**cache_kw),
                       PolicySet.from_names(**policy_kw))
     ex = KVCheckingExecutor(sched.kv)
-    return EngineCore(sched, ex, max_concurrent_batches=2), sched, ex
+    return EngineCore(sched, ex, max_concurrent_batches=2 if async_scheduling else 1), sched, ex
 
 
 def add(engine, name, prompt, max_tokens=8, **params):
@@ -188,14 +109,15 @@ def test_a_stop_string_match_waits_for_the_batch_and_stops_the_overlap():
     assert seq.output_token_ids == expected(r)[0][:1]
 
 
-def test_a_recomputed_group_keeps_its_prefix_hits():
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_recomputed_group_keeps_its_prefix_hits(async_scheduling):
     """Hypothesis's find (stop 40): an n = 3 request is preempted by recompute after its
     forks' first blocks filled; on readmission each sequence hits its own cached block,
-    and the parent's fresh block must not evict a hit of a later sibling (it did: the
-    sibling then read another prefix's KV). Every read is checked by the KV-checking
-    worker; every sample equals an unpreempted run's."""
-    engine, sched, ex = make(max_num_seqs=5, max_num_batched_tokens=MAX_MODEL_LEN, num_gpu_blocks=8,
-                             enable_prefix_caching=True, preemption="recompute", watermark=0.0)
+    and the parent's fresh block must not evict a hit of a later sibling (it did, with or
+    without async scheduling: the sibling then read another prefix's KV). Every read is
+    checked by the KV-checking worker; every sample equals an unpreempted run's."""
+    engine, sched, ex = make(async_scheduling, max_num_seqs=5, max_num_batched_tokens=MAX_MODEL_LEN,
+                             num_gpu_blocks=8, enable_prefix_caching=True, preemption="recompute", watermark=0.0)
     a = add(engine, "a", [0, 0, 0, 0], max_tokens=6)
     b = add(engine, "b", [0] * 8, max_tokens=6)
     c = engine.add_request(Request("c", [0, 0, 0], SamplingParams(max_tokens=3, n=3), eos_token_id=EOS))

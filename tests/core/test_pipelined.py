@@ -14,7 +14,7 @@ from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, RequestSta
 from core.config import pipeline_stage_layers
 from core.kv.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from policies import PolicySet
-from tests.core.sched.test_scheduler import SETUP, InFlightRules, SchedulerMachine
+from tests.core.sched.test_scheduler import SETUP, InFlightRules, SchedulerMachine, WatermarkProbe
 from tests.core.toy_executor import AsyncToyExecutor, ToyExecutor, reference_outputs
 
 
@@ -252,6 +252,10 @@ class PipelinedSchedulerMachine(InFlightRules, SchedulerMachine):
         self.engine.clock = lambda: float(next(ticks))
 
     step = None                          # replaced by the rules below
+
+    def make_executor(self):
+        # batches compute when they land, and their inputs must not change in flight
+        return WatermarkProbe(self.sched.kv)
 
     @rule()
     def engine_step(self):

@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from core import CacheConfig, EngineCore, InvalidRequestError, Request, RequestStatus, SamplingParams, Scheduler, \
     SchedulerConfig
 from policies import PolicySet
+from tests.core.kv_checking import KVCheckingExecutor
 from tests.core.toy_executor import VOCAB, AsyncToyExecutor, ToyExecutor, reference_outputs
 
 BS = 4
@@ -67,7 +68,8 @@ class CheckedVictim:
 
 
 class WatermarkProbe(AsyncToyExecutor):
-    """Records the free GPU blocks while each step runs (after schedule(), before update())."""
+    """Records the free GPU blocks while each step runs (after schedule(), before update());
+    batches compute when they land (the pipelined machine's executor)."""
 
     def __init__(self, kv):
         super().__init__()
@@ -125,7 +127,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.n = 0
 
     def make_executor(self):
-        return WatermarkProbe(self.sched.kv)
+        # checks every KV read (a block reused, hit or published too early reads wrong KV)
+        # and records the free blocks while each step runs (the watermark invariant)
+        return KVCheckingExecutor(self.sched.kv)
 
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), max_tokens=st.integers(1, 12),
           n=st.sampled_from([1, 1, 1, 2, 3]), beam=st.sampled_from([0, 0, 0, 0, 2]), priority=st.integers(0, 2),
