@@ -81,12 +81,11 @@ def add_vs_real_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
-# `simulate-cpu --floor`: result key, sse_floor.py's extra arguments
-FLOORS = (("floor", ()), ("framework_floor", ("--fastapi",)))
-FLOOR_WHAT = {"floor": "sse_floor.py: uvloop + httptools, one SSE event per token every {step_ms:.1f} ms, "
-                       "no framework, no engine",
-              "framework_floor": "sse_floor.py --fastapi: the same events from a bare FastAPI handler under uvicorn, "
-                                 "no engine"}
+# `simulate-cpu --floor`: (result key, sse_floor.py's extra arguments, what it is)
+FLOORS = (("floor", (), "sse_floor.py: uvloop + httptools, one SSE event per token every {step_ms:.1f} ms, "
+                        "no framework, no engine"),
+          ("framework_floor", ("--fastapi",), "sse_floor.py --fastapi: the same events from a bare FastAPI "
+                                              "handler under uvicorn, no engine"))
 
 
 def add_cpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -378,7 +377,7 @@ def run_cpu(args) -> int:
             m = _measure_cpu(urls, server.proc.pid, str(trace), args)
         if args.floor:
             step_s = max(m["summary"]["median_tpot_ms"] / 1e3, 0.001)    # the simulated server's pace
-            for name, extra in FLOORS:
+            for name, extra, _ in FLOORS:
                 port = free_port()
                 cmd = [sys.executable, str(Path(__file__).with_name("sse_floor.py")), str(port), f"{step_s:.6f}", *extra]
                 with serve_process(cmd, port, Path(tmp) / f"{name}.log", ready_timeout=60) as server:
@@ -399,14 +398,17 @@ def run_cpu(args) -> int:
           f"{args.max_tokens} output tokens each): the server process used {cpu:.2f} CPU s in "
           f"{wall:.2f} s = {share:.1%} of a core, {cpu / args.num_requests * 1e3:.2f} ms per request; "
           f"busiest threads {', '.join(f'{x:.2f}' for x in m['threads'][:3])} s (load {m['loadavg'][0][0]:.2f})")
-    for name, floor in floors.items():
+    for name, _, what in FLOORS:
+        if name not in floors:
+            continue
+        floor = floors[name]
         f_cpu, f_wall = floor["cpu_s"], floor["wall_s"]
         result[name] = {"cpu_s": f_cpu, "wall_s": f_wall, "cores": f_cpu / f_wall, "step_s": floor["step_s"],
                         "cpu_ms_per_request": f_cpu / args.num_requests * 1e3,
                         "achieved_request_throughput": floor["summary"]["request_throughput"],
                         "loadavg": floor["loadavg"]}
         result[f"vs_{name}"] = cpu / f_cpu if f_cpu > 0 else None
-        what = FLOOR_WHAT[name].format(step_ms=floor["step_s"] * 1e3)
+        what = what.format(step_ms=floor["step_s"] * 1e3)
         print(f"{name} ({what}): {floor['summary']['request_throughput']:.1f} req/s, {f_cpu:.2f} CPU s = "
               f"{f_cpu / f_wall:.1%} of a core, {f_cpu / args.num_requests * 1e3:.2f} ms per request; the simulated "
               f"server costs {cpu / f_cpu:.1f}x this floor" if f_cpu > 0 else f"{name}: no CPU time measured")

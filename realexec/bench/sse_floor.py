@@ -64,9 +64,8 @@ class FloorProtocol(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                                  % (len(MODELS), MODELS))
             return
-        try:
-            n = max(1, int(json.loads(body).get("max_tokens") or 16))
-        except (ValueError, AttributeError, TypeError):
+        n = requested_tokens(body)
+        if n is None:
             self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
             return
         self.transport.write(SSE_HEAD)
@@ -88,6 +87,14 @@ async def serve(port: int) -> None:
     server = await asyncio.get_running_loop().create_server(FloorProtocol, "127.0.0.1", port)
     print("ready", flush=True)
     await server.serve_forever()
+
+
+def requested_tokens(body: bytes) -> int | None:
+    """A completion body's max_tokens (16 if unset, at least 1); None if it is not a JSON object."""
+    try:
+        return max(1, int(json.loads(body).get("max_tokens") or 16))
+    except (ValueError, AttributeError, TypeError):
+        return None
 
 
 def completion_event(rid: str, last: bool) -> str:
@@ -113,9 +120,8 @@ def serve_fastapi(port: int, step_s: float) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            n = max(1, int(json.loads(await request.body()).get("max_tokens") or 16))
-        except (ValueError, AttributeError, TypeError):
+        n = requested_tokens(await request.body())
+        if n is None:
             return JSONResponse({"error": "bad body"}, status_code=400)
         rid = "cmpl-%x" % id(request)
 

@@ -152,16 +152,6 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def prompt_token_ids(tokenizer, text: str) -> list[int]:
-    """A completion prompt's token ids, as the server and LLM.generate tokenize a text (the
-    tokenizer's own special tokens, e.g. a BOS, included)."""
-    if len(text) <= DIRECT_ENCODE_MAX_CHARS:
-        backend = _plain_backend(tokenizer)
-        if backend is not None:
-            return backend.encode(text).ids
-    return list(tokenizer(text).input_ids)
-
-
 # The wrapper's call encodes a batch of one, which hands the text to the library's thread
 # pool and back: ~0.1 ms of a served request's CPU on a 2-core VM, for a short prompt the
 # direct call encodes in ~30 us. But the direct call holds the GIL throughout (a 3.5 MB
@@ -171,6 +161,16 @@ def prompt_token_ids(tokenizer, text: str) -> list[int]:
 # the direct call holds the GIL for ~0.5 ms at most; the server prepares bodies of up to
 # 1 KiB on the event loop anyway.
 DIRECT_ENCODE_MAX_CHARS = 1024
+
+
+def prompt_token_ids(tokenizer, text: str) -> list[int]:
+    """A completion prompt's token ids, as the server and LLM.generate tokenize a text (the
+    tokenizer's own special tokens, e.g. a BOS, included)."""
+    if len(text) <= DIRECT_ENCODE_MAX_CHARS:
+        backend = _plain_backend(tokenizer)
+        if backend is not None:
+            return backend.encode(text).ids
+    return list(tokenizer(text).input_ids)
 
 
 def _plain_backend(tokenizer):

@@ -481,40 +481,33 @@ class LoopEngine(_EngineDriver):
             return
         finally:
             self.clock.resume_at(None)
-        if stepped:
-            delay = self.clock.due - time.monotonic()
-            if delay > 0:
-                self._in_flight = deliveries
-                self._timer = self._loop.call_later(delay, self._step_ended)
-                return
-        self._deliver(deliveries)          # no wait left (a step that cost nothing, or a late loop)
-        self._schedule_next(stepped, at_step_end=False)
+        if stepped:             # hand over at the step's end (at once if that has passed)
+            self._in_flight = deliveries
+            self._timer = self._loop.call_later(max(0.0, self.clock.due - time.monotonic()), self._step_ended)
+            return
+        self._deliver(deliveries)
+        with self._cond:
+            more = self._has_work()
+        if not more:
+            return                          # idle until a handler hands something over
+        if self.engine.is_sleeping and not self._stopping:
+            # queued behind a sleeping engine (/sleep): look again in 10 ms, for wake_up
+            self._timer = self._loop.call_later(0.01, self._run_iteration)
+        else:
+            self._timer = self._loop.call_soon(self._run_iteration)
 
     def _step_ended(self) -> None:
         self._timer = None
         deliveries, self._in_flight = self._in_flight, None
         self._deliver(deliveries)
-        self._schedule_next(stepped=True, at_step_end=True)
-
-    def _schedule_next(self, stepped: bool, at_step_end: bool) -> None:
         with self._cond:
             more = self._has_work()
-        if not more:
-            return                          # idle until a handler hands something over
-        if stepped:
+        if more:
             # The next step starts where this one ended, however late the loop came back
             # to it (HTTP work, other replicas): the deployment's timeline does not drift
             # with this process's load; only the hand-overs are late.
             self.clock.resume_at(self.clock.due)
-            if at_step_end:
-                self._run_iteration()
-            else:                           # (called from an iteration: no recursion)
-                self._timer = self._loop.call_soon(self._run_iteration)
-        elif self.engine.is_sleeping and not self._stopping:
-            # queued behind a sleeping engine (/sleep): look again in 10 ms, for wake_up
-            self._timer = self._loop.call_later(0.01, self._run_iteration)
-        else:
-            self._timer = self._loop.call_soon(self._run_iteration)
+            self._run_iteration()
 
     def _stop(self, done: threading.Event | None = None) -> None:
         if not self._stopped:

@@ -17,9 +17,6 @@ from core.step_message import StepMessageBuilder
 from realexec.worker.model_runner import ModelRunner
 from tests.core.toy_executor import candidate_logprobs, next_token
 
-BS = 4          # the state machines' block size (tests/core/sched/test_scheduler.py)
-
-
 def fingerprint(prefix: list[int]) -> int:
     return hash(tuple(prefix))
 
@@ -27,11 +24,11 @@ def fingerprint(prefix: list[int]) -> int:
 class KVCheckingExecutor:
     """Computes each step at submission on a message-fed worker state, checking the KV cache."""
 
-    def __init__(self, kv=None, block_size: int = BS):
-        self.kv = kv                          # given: free GPU blocks are recorded per step
-        self.bs = block_size
+    def __init__(self, kv):
+        self.kv = kv                          # the scheduler's: free GPU blocks are recorded per step
+        self.bs = kv.block_size
         self.builder = StepMessageBuilder()
-        self.runner = ModelRunner(None, "cpu", block_size, None, provisional_tokens=True)
+        self.runner = ModelRunner(None, "cpu", kv.block_size, None, provisional_tokens=True)
         self.gpu: dict[int, int] = {}         # slot -> fingerprint of the prefix its KV encodes
         self.cpu: dict[int, int] = {}
         self.steps = []                       # SchedulerOutputs, in submission order
@@ -40,8 +37,7 @@ class KVCheckingExecutor:
 
     def execute_model_async(self, out) -> Future:
         self.steps.append(out)
-        if self.kv is not None:
-            self.free_during.append(self.kv.stats().num_free_gpu_blocks)
+        self.free_during.append(self.kv.stats().num_free_gpu_blocks)
         self.placeholders += sum(s.start + s.num_tokens > len(s.seq.token_ids) for s in out.scheduled)
         future: Future = Future()
         future.set_result(self._run(self.builder.build(out)))
