@@ -69,6 +69,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for HF generate [16]")
     parser.add_argument("--skip-hf", action="store_true", help="run only our engine")
     parser.add_argument("--output-json", default=None, help="also write the results here")
+    parser.add_argument("--op-breakdown", action="store_true",
+                        help="time twinserve's operators (projections, LM head, attention, fused ops) during the "
+                             "run and set their rates against this CPU's GEMM and memory peaks, measured after it "
+                             "(CPU, uni executor; realexec/bench/op_breakdown.py)")
     add_engine_args(parser)
 
 
@@ -211,6 +215,10 @@ def run(args) -> int:
 
     engine_args = engine_args_from_namespace(args)
     peers = peer_plan(args)
+    if args.op_breakdown and (str(engine_args.device).startswith("cuda") or engine_args.executor_backend() != "uni"):
+        raise ValueError(f"--op-breakdown times CPU operators in this process: it needs the CPU and "
+                         f"--distributed-executor-backend uni (got --device {engine_args.device}, "
+                         f"backend {engine_args.executor_backend()})")
     trace = load_trace_requests(args)           # bad input fails before the model loads
     from realexec.progress import busy
     with busy(f"loading {engine_args.model or 'SmolLM2-135M-Instruct'}"):
@@ -240,8 +248,18 @@ def _run_ours(args, engine, engine_args, trace) -> dict:
           + (f" (cap {args.max_tokens_cap})" if args.max_tokens_cap else ""), flush=True)
     pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
     pad = pad if pad is not None else (engine.eos_token_id or 0)
+    if not args.op_breakdown:
+        result = run_ours(engine, requests)
+    else:
+        from realexec.bench.op_breakdown import OpBreakdown, format_report, machine_peaks
+        if device.type != "cpu":
+            raise ValueError(f"--op-breakdown times CPU operators: the engine runs on {device}")
+        with OpBreakdown(engine.executor.driver.model) as ops:
+            result = run_ours(engine, requests)
+        result["op_breakdown"] = ops.report(result["seconds"], machine_peaks())
+        print(format_report(result["op_breakdown"]), flush=True)
     return {"requests": requests, "device": device, "dtype": dtype, "pad": pad,
-            "max_model_len": engine.max_model_len, "result": run_ours(engine, requests)}
+            "max_model_len": engine.max_model_len, "result": result}
 
 
 def _run_peers(args, engine_args, ctx, peers, trace) -> int:
