@@ -1,7 +1,7 @@
 """Scheduler contracts the state machines did not reach: beams in lock-step when the budget
 is short, whole prompts without chunked prefill, the prefill token count of a step,
-swapped requests before new ones, and slices a priority victim gives back under vLLM v1's
-rules. Each test here was written against a mutation no other core test caught
+swapped requests before new ones, slices a priority victim gives back under vLLM v1's
+rules, and the queue time of a request that waits twice. Each test here was written against a mutation no other core test caught
 (tests/mutation_sweep.py)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from core import CacheConfig, EngineCore, Request, SamplingParams, Scheduler, SchedulerConfig
+from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
 from policies import PolicySet
 from tests.core.kv_checking import KVCheckingExecutor
 from tests.core.toy_executor import ToyExecutor, reference_outputs
@@ -150,3 +150,58 @@ def test_a_vllm_v1_priority_victim_gives_back_a_slice_that_published_blocks():
     for r in (low, high):
         assert r.finished_seqs[0].output_token_ids == reference_outputs(
             r.prompt_token_ids, r.params.max_tokens, 1, None, True, 32)[0]
+
+
+def _step(sched, now):
+    out = sched.schedule(now)
+    sched.update(out, ModelRunnerOutput(token_ids={s.seq.seq_id: [1] for s in out.scheduled if s.num_samples}), now)
+    return out
+
+
+def test_queue_time_adds_every_wait_in_the_queue_preemptions_included():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=32),
+                      CacheConfig(block_size=4, num_gpu_blocks=16), PolicySet.from_names())
+    a = sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=1.0))
+    b = sched.add_request(Request("b", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=1.5))
+    now = 2.0
+    while b not in _step(sched, now).admitted:      # one sequence at a time: b waits for a
+        now += 1.0
+    assert a.metrics.queue_time == 1.0                # arrived at 1.0, admitted at 2.0
+    assert b.metrics.queue_time == now - 1.5 == 3.5   # admitted at 5.0, after a's three steps
+
+
+def test_a_recomputed_request_counts_its_second_wait_too():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32),
+                      CacheConfig(block_size=4, num_gpu_blocks=12, watermark=0.0), PolicySet.from_names())
+    reqs = [sched.add_request(Request(f"r{i}", [i + 1] * 10, SamplingParams(max_tokens=16, ignore_eos=True)))
+            for i in range(4)]
+    queued_since = {r.request_id: 0.0 for r in reqs}
+    waited = dict.fromkeys(queued_since, 0.0)
+    now = 1.0
+    while sched.has_unfinished_requests():
+        out = _step(sched, now)
+        for r in out.preempted:
+            queued_since[r.request_id] = now
+        for r in out.admitted:
+            waited[r.request_id] += now - queued_since[r.request_id]
+        now += 1.0
+    assert sched.num_preemptions > 0
+    assert {r.request_id: r.metrics.queue_time for r in reqs} == waited
+
+
+def test_an_empty_schedule_with_a_batch_in_flight_passes_its_finished_ids_on():
+    """Workers drop a request's state when its id comes in a batch's finished ids: an id
+    that finished while the only runnable request was in flight (no batch to carry it)
+    must reach the next batch."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=32,
+                                      pipeline_parallel_size=2),
+                      CacheConfig(block_size=4, num_gpu_blocks=16), PolicySet.from_names())
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)))
+    sched.add_request(Request("b", [4, 5], SamplingParams(max_tokens=5, ignore_eos=True)))
+    first = sched.schedule()
+    assert [s.seq.request.request_id for s in first.scheduled] == ["a"]      # one seat per batch
+    assert sched.abort("b")                                                   # b leaves from the queue
+    empty = sched.schedule()                                                  # a is in flight: nothing to run
+    assert empty.is_empty and empty.finished_request_ids == []
+    sched.update(first, ModelRunnerOutput(token_ids={first.scheduled[0].seq.seq_id: [1]}))
+    assert "b" in sched.schedule().finished_request_ids
