@@ -45,9 +45,9 @@ class OpBreakdown:
     """A context manager that times `model`'s operator calls while it is entered.
 
     Hooks go on the projection modules, wrappers on the attention backends' `forward`, the
-    model's `compute_logits` and the fused ops of realexec.models.cpu_ops (looked up there
-    at each call);
-    all are removed on exit. None of the timed calls nests in another, so the times add."""
+    model's `compute_logits` and the fused ops of realexec.models.cpu_ops (the model looks
+    them up there at each call); all are removed on exit. None of the timed calls nests in
+    another, so the times add."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

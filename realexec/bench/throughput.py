@@ -22,6 +22,8 @@ twinserve and HF run in this process on the same weights, prompts, thread count 
     static batches of --hf-batch-size requests in trace order, left padded, greedy,
     max_new_tokens = the batch's largest max_tokens, EOS disabled. Each request counts
     only its own max_tokens real tokens (padding and the batch's overshoot are not output).
+--op-breakdown also times twinserve's operators during its run and sets their rates
+against this CPU's peaks (realexec/bench/op_breakdown.py).
 """
 from __future__ import annotations
 
