@@ -68,8 +68,8 @@ class OpBreakdown:
                 if backend is not None and hasattr(backend, "forward"):
                     backends[id(backend)] = backend
             for backend in backends.values():
-                self._wrap_attr(backend, "forward", self._attention)
-            self._wrap_attr(self.model, "compute_logits", self._logits)
+                self._wrap_attr(backend, "forward", lambda f: self._timed(f, "attention", self._attention_work))
+            self._wrap_attr(self.model, "compute_logits", lambda f: self._timed(f, "LM head", self._logits_work))
             for name, category in (("rms_norm", "norms"), ("add_rms_norm", "norms"),
                                    ("silu_and_mul", "activation"), ("apply_rotary_qk", "rotary")):
                 self._wrap_attr(cpu_ops, name, lambda f, c=category: self._timed(f, c))
@@ -112,7 +112,8 @@ class OpBreakdown:
             t.calls += 1
             t.flops += flops
 
-    def _timed(self, fn, category: str):
+    def _timed(self, fn, category: str, work=None):
+        """fn, timed into `category`; work(*args, **kwargs) -> (flops, bytes) of the call."""
         t = self.tally[category]
 
         def timed(*args, **kwargs):
@@ -122,37 +123,24 @@ class OpBreakdown:
             finally:
                 t.seconds += time.perf_counter() - t0
                 t.calls += 1
+                if work is not None:
+                    flops, nbytes = work(*args, **kwargs)
+                    t.flops += flops
+                    t.bytes += nbytes
         return timed
 
-    def _attention(self, forward):
-        t = self.tally["attention"]
+    @staticmethod
+    def _attention_work(q, k, v, k_cache, v_cache, md, *args, **kwargs) -> tuple[int, int]:
+        if k_cache is None:
+            return 0, 0
+        row = k_cache[0, 0].numel() * k_cache.element_size()   # [blocks, block_size, kv_heads, D]: one K row
+        return 0, 2 * row * sum(md.seq_lens_cpu)
 
-        def timed(q, k, v, k_cache, v_cache, md, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return forward(q, k, v, k_cache, v_cache, md, *args, **kwargs)
-            finally:
-                t.seconds += time.perf_counter() - t0
-                t.calls += 1
-                if k_cache is not None:      # [blocks, block_size, kv_heads, D]: one token's K row
-                    row = k_cache[0, 0].numel() * k_cache.element_size()
-                    t.bytes += 2 * row * sum(md.seq_lens_cpu)
-        return timed
-
-    def _logits(self, compute_logits):
-        t = self.tally["LM head"]
-
-        def timed(hidden, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return compute_logits(hidden, *args, **kwargs)
-            finally:
-                t.seconds += time.perf_counter() - t0
-                t.calls += 1
-                weight = self.model.head_weight()
-                if weight is not None:
-                    t.flops += 2 * (hidden.numel() // hidden.shape[-1]) * weight.shape[0] * weight.shape[1]
-        return timed
+    def _logits_work(self, hidden, *args, **kwargs) -> tuple[int, int]:
+        weight = self.model.head_weight()
+        if weight is None:
+            return 0, 0
+        return 2 * (hidden.numel() // hidden.shape[-1]) * weight.shape[0] * weight.shape[1], 0
 
     # -- the result -------------------------------------------------------------------
     def report(self, wall_seconds: float, peaks: dict | None = None) -> dict:

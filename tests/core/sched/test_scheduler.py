@@ -291,11 +291,13 @@ class InFlightRules:
 
 # -- targeted behaviour ---------------------------------------------------------------------
 
-def make_engine(**kw):
+def make_engine(executor=None, **kw):
+    """(engine, scheduler, executor) from config, cache and policy keywords; `executor(kv)`
+    builds the executor (default: the toy one)."""
     cache_kw = {k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__}
-    policy_kw = {k: kw.pop(k) for k in list(kw) if k in ("queue", "preemption", "victim", "eviction")}
+    policy_kw = {k: kw.pop(k) for k in list(kw) if k in ("queue", "preemption", "victim", "eviction", "scheduler")}
     sched = Scheduler(SchedulerConfig(**kw), CacheConfig(**cache_kw), PolicySet.from_names(**policy_kw))
-    ex = ToyExecutor()
+    ex = executor(sched.kv) if executor else ToyExecutor()
     return EngineCore(sched, ex), sched, ex
 
 

@@ -9,17 +9,11 @@ from types import SimpleNamespace
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from core import CacheConfig, EngineCore, ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
+from core import CacheConfig, ModelRunnerOutput, Request, SamplingParams, Scheduler, SchedulerConfig
 from policies import PolicySet
 from tests.core.kv_checking import KVCheckingExecutor
+from tests.core.sched.test_scheduler import make_engine
 from tests.core.toy_executor import ToyExecutor, reference_outputs
-
-
-def make_engine(executor=None, *, policies=None, **kw):
-    cache_kw = {k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__}
-    sched = Scheduler(SchedulerConfig(**kw), CacheConfig(**cache_kw), PolicySet.from_names(**(policies or {})))
-    ex = executor(sched.kv) if executor else ToyExecutor()
-    return EngineCore(sched, ex), sched, ex
 
 
 @given(pendings=st.lists(st.integers(1, 20), min_size=1, max_size=4), budget=st.integers(1, 60))
@@ -76,7 +70,7 @@ class _SwapOrderProbe(ToyExecutor):
 def test_swapped_requests_come_back_before_waiting_ones_are_admitted():
     engine, sched, ex = make_engine(_SwapOrderProbe, max_num_batched_tokens=64, max_model_len=32, block_size=4,
                                     num_gpu_blocks=12, num_cpu_blocks=32, watermark=0.0,
-                                    policies={"preemption": "swap"})
+                                    preemption="swap")
     ex.sched = sched
     reqs = [engine.add_request(Request(f"r{i}", [i + 1] * 10, SamplingParams(max_tokens=16, ignore_eos=True)))
             for i in range(4)]
@@ -108,7 +102,7 @@ def test_vllm_v1_priority_victims_give_back_slices_whose_kv_was_never_written(wo
     engine, sched, ex = make_engine(KVCheckingExecutor, max_num_batched_tokens=16, max_model_len=32,
                                     max_num_seqs=4, block_size=4, num_gpu_blocks=blocks,
                                     enable_prefix_caching=True, watermark=0.0,
-                                    policies={"scheduler": "vllm-v1", "queue": "priority"})
+                                    scheduler="vllm-v1", queue="priority")
     reqs, pending = [], sorted(enumerate(workload), key=lambda item: item[1][4])     # by arrival step
     for step in range(2000):
         while pending and pending[0][1][4] <= step:
@@ -133,7 +127,7 @@ def test_a_vllm_v1_priority_victim_gives_back_a_slice_that_published_blocks():
     evicted first, so no later read would show it: the index is checked after each step.)"""
     engine, sched, ex = make_engine(KVCheckingExecutor, max_num_batched_tokens=6, max_model_len=32, max_num_seqs=4,
                                     block_size=4, num_gpu_blocks=9, enable_prefix_caching=True, watermark=0.0,
-                                    policies={"scheduler": "vllm-v1", "queue": "priority"})
+                                    scheduler="vllm-v1", queue="priority")
     low = engine.add_request(Request("low", list(range(100, 124)), SamplingParams(max_tokens=6, ignore_eos=True),
                                      priority=5))
     engine.step()
