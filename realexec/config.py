@@ -78,9 +78,15 @@ class EngineArgs:
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
     cpu_weight_format: str = _arg(
         "auto", "CPU: the projections' weight layout: packed (oneDNN's blocked layout, 1.1-2.8x faster GEMMs "
-                "from 4 rows up, no extra memory) | both (packed, plus the dense weights for steps of 1-3 "
-                "rows, where MKL's GEMV is faster: twice the projections' memory) | dense (as loaded) | auto "
-                "(both up to 2 GiB of projections, else packed)", choices=("auto", "dense", "packed", "both"))
+                "from 4 rows up, no extra memory) | both (packed, plus the dense weights for steps under "
+                "--cpu-packed-min-rows rows, where MKL is faster on Intel: twice the projections' memory) | "
+                "dense (as loaded) | auto (packed where --cpu-packed-min-rows is 1; else both up to 2 GiB of "
+                "projections, else packed)", choices=("auto", "dense", "packed", "both"))
+    cpu_packed_min_rows: int | None = _arg(
+        None, "CPU: the fewest rows (tokens) a step needs to run on the packed weights; smaller steps use "
+              "the dense weights (MKL). Default by CPU: 4 on Intel (MKL's GEMV wins below 4 rows there), 1 "
+              "on AMD (oneDNN's packed GEMM wins at every row count: SmolLM2 decodes of 2-3 sequences "
+              "2-3x faster than with MKL)")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     compile_decode: bool = _arg(
         True, "CUDA: torch.compile the decode forward (attention left eager) before capturing its graphs: "
@@ -196,6 +202,8 @@ class EngineArgs:
             raise ValueError(f"attention-backend must be cpu, torch or triton, got {self.attention_backend!r}")
         if self.cpu_weight_format not in ("auto", "dense", "packed", "both"):
             raise ValueError(f"cpu-weight-format must be auto, dense, packed or both, got {self.cpu_weight_format!r}")
+        if self.cpu_packed_min_rows is not None and self.cpu_packed_min_rows < 1:
+            raise ValueError(f"cpu-packed-min-rows must be >= 1, got {self.cpu_packed_min_rows}")
         from policies import PolicySet
         PolicySet.from_names(**self.policy_names())     # an unknown policy name fails here, before any load
         if self.scheduler.lower() == "vllm-v1":

@@ -126,7 +126,7 @@ class Worker:
         loaded = load_model(args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp,
                             pp=self.pp, with_tokenizer=with_tokenizer)
         if self.device.type == "cpu":
-            self.weight_format = pack_weights(loaded[0], args.cpu_weight_format)
+            self.weight_format = pack_weights(loaded[0], args.cpu_weight_format, args.cpu_packed_min_rows)
         return loaded
 
     @property
@@ -348,7 +348,7 @@ class Worker:
         for name, _ in list(self.model.named_parameters()):
             if name in sources:       # level 2: the fresh tensors are already on the device
                 src = sources[name]
-                set_parameter(self.model, name, src.data if self.sleep_level == 2 else src.to(self.device, copy=True))
+                set_parameter(self.model, name, src if self.sleep_level == 2 else src.to(self.device, copy=True))
         self._offloaded = {}
         self.sleep_level = 0
         self.initialize_cache(*self._cache_blocks)
