@@ -17,8 +17,8 @@ Where the two cross depends on the CPU, because MKL's small-row kernels are Inte
 - AMD (the 2-vCPU EPYC Zen 4 host): MKL's time grows with the rows from 1 to 3 (the same
   ~25 GFLOP/s at each: no weight reuse across rows) while oneDNN's packed GEMM reuses them,
   so packed wins from 2 rows by 1.6-2.3x, and at 1 row by 5% over the layers and 20% on
-  the LM head; SmolLM2's decode steps of 1/2/3 sequences took 54/95/118 ms dense and
-  48/57/44 ms packed (one thread): min_rows 1. See docs/lab/2026-11-29-small-rows.md.
+  the LM head; SmolLM2's decode steps of 1/2/3 sequences took 54/99/124 ms dense and
+  50/57/46 ms packed (one thread): min_rows 1. See docs/lab/2026-11-29-small-rows.md.
 
 Formats (EngineArgs.cpu_weight_format): "dense" (no packing), "packed" (the packed weight
 replaces the dense one: no extra memory; every step packed), "both" (dense kept for steps
