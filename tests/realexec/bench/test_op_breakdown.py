@@ -125,14 +125,16 @@ def test_bench_throughput_prints_and_writes_the_breakdown(tiny_dir, tmp_path, ca
     out = tmp_path / "res.json"
     rc = main(["bench", "throughput", "--trace", str(trace), "--model", tiny_dir, "--device", "cpu",
                "--num-gpu-blocks", "64", "--block-size", "4", "--skip-hf", "--op-breakdown",
-               "--output-json", str(out)])
+               "--cpu-packed-min-rows", "3", "--output-json", str(out)])
     assert rc == 0, capsys.readouterr().err
     rep = json.loads(out.read_text())["ours"]["op_breakdown"]
     shares = sum(r["share"] for r in rep["ops"].values()) + rep["rest"]["share"]
     assert shares == pytest.approx(1.0, abs=1e-6)
     assert rep["peaks"]["gemm_gflops"] > 0 and rep["peaks"]["read_gbps"] > 0
     assert rep["ops"]["projections"]["share_of_peak"] > 0
-    assert "op breakdown of the generate loop" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "op breakdown of the generate loop" in printed
+    assert "| weights auto, packed from 3 rows |" in printed     # the header says which kernels ran
 
 
 def test_bench_throughput_refuses_a_breakdown_it_cannot_time(tiny_dir, capsys):
