@@ -34,14 +34,19 @@ def compiler(what: str, hint: str = "", error: type[BuildError] = BuildError) ->
     raise error(f"no C++ compiler found (set $CXX, or install g++) to build {what}" + (f"; {hint}" if hint else ""))
 
 
-def cpu_flags() -> str:
+def cpuinfo_line(*keys: str) -> str | None:
+    """The first /proc/cpuinfo line starting with one of `keys`; None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def cpu_flags() -> str:
+    return cpuinfo_line("flags", "Features") or platform.processor()
 
 
 def library_path(source: Path, compiler: str, flags: list[str]) -> Path:

@@ -35,7 +35,7 @@ from torch import nn
 
 CPU_WEIGHT_FORMATS = ("auto", "dense", "packed", "both")
 # Below this many rows MKL's GEMV on the dense weight beats oneDNN's packed kernel on Intel
-# CPUs; the default for a packed twin that was given no `min_rows`.
+# CPUs (`default_packed_min_rows`).
 SMALL_ROWS = 4
 # The row count oneDNN chooses its blocking for; 16..256 measured alike for 8..512 rows.
 PACK_ROWS_HINT = 64
@@ -44,14 +44,10 @@ AUTO_BOTH_MAX_BYTES = 2 << 30
 
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...); "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    from realexec.cpu_build import cpuinfo_line
+
+    line = cpuinfo_line("vendor_id")
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def default_packed_min_rows(vendor: str | None = None) -> int:
@@ -68,7 +64,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     rows (`packed_parameter`)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if packed is not None and x.numel() >= getattr(packed, "min_rows", SMALL_ROWS) * x.shape[-1]:
+    if packed is not None and x.numel() >= packed.min_rows * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

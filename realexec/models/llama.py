@@ -32,7 +32,7 @@ from realexec.attention import AttentionMetadata, get_attention_backend
 from realexec.distributed import PPGroup, TPGroup
 from . import cpu_ops
 from .config import ModelConfig
-from .linear import SMALL_ROWS, Linear, packed_parameter, project
+from .linear import Linear, packed_parameter, project
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -277,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_head(self, min_rows: int = SMALL_ROWS) -> int:
+    def pack_head(self, min_rows: int) -> int:
         """Add the LM head's packed copy for the CPU (realexec.models.linear), used from
         `min_rows` rows; -> bytes added."""
         weight = self.head_weight()
