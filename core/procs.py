@@ -11,7 +11,13 @@ policy everywhere:
   first is an error at once;
 * stop = SIGINT (the server drains), then SIGTERM, then SIGKILL, each after a timeout;
   the process is always waited for (killed by its pid in `finally`, also when the
-  caller's block raised or the server never became healthy).
+  caller's block raised or the server never became healthy);
+* a SIGTERM to this process while it has such a child unwinds it (`sigterm_unwinds`), so
+  those `finally` blocks run: by default Python dies of SIGTERM at once, and `timeout` or
+  `kill` on a command left the servers it had started running;
+* one-shot children (`run_child`: a client, a peer engine, a sub-command) are stopped the
+  same way, SIGINT first, when this process is interrupted, not SIGKILLed as
+  `subprocess.run` does (a child killed outright leaves its own children behind).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -107,20 +114,69 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: str | Path, timeout: flo
 
 def stop(proc: subprocess.Popen, timeouts: tuple[float, float] = STOP_TIMEOUTS_S) -> int:
     """Stop `proc` by its pid: SIGINT, then SIGTERM after timeouts[0] s, then SIGKILL after
-    timeouts[1] s more; waits for it and returns its exit status (already exited: as is)."""
-    for sig, wait in ((signal.SIGINT, timeouts[0]), (signal.SIGTERM, timeouts[1])):
-        if proc.poll() is not None:
-            return proc.returncode
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        try:
-            return proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            pass
+    timeouts[1] s more; waits for it and returns its exit status (already exited: as is).
+    Interrupted itself (a second Ctrl-C, SIGTERM while it waits), it kills the process at
+    once and re-raises: it never returns with the process still running."""
+    try:
+        for sig, wait in ((signal.SIGINT, timeouts[0]), (signal.SIGTERM, timeouts[1])):
+            if proc.poll() is not None:
+                return proc.returncode
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            try:
+                return proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                pass
+    except BaseException:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        raise
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
     return proc.wait()
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit(143) in this process's main thread instead of
+    ending it on the spot, so `finally` blocks (the ones that stop child processes) run.
+    Only where SIGTERM has its default action and on the main thread (where Python runs
+    signal handlers); elsewhere, and when someone else handles SIGTERM, it does nothing.
+    Further SIGTERMs are ignored while the process unwinds (each stop is bounded by its
+    timeouts); the default comes back on the way out."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def unwind(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def run_child(cmd: Sequence[str], *, timeout: float | None = None,
+              stop_timeouts: tuple[float, float] = STOP_TIMEOUTS_S, **popen_kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, timeout=timeout, **popen_kwargs)` (stdout/stderr/stdin/env/cwd/
+    text ...), except that when this process is interrupted, gets SIGTERM or `timeout`
+    passes, the child is stopped as `stop` does (SIGINT, so its own cleanup runs) and
+    waited for; the exception (TimeoutExpired on a timeout) then propagates."""
+    with sigterm_unwinds():
+        proc = subprocess.Popen(list(cmd), **popen_kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            stop(proc, stop_timeouts)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @dataclass
@@ -148,14 +204,15 @@ def serve_process(cmd: Sequence[str], port: int, log: str | Path, *, ready_timeo
     healthy, and stop it on the way out (see `stop`); its output goes to `log`."""
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    try:
-        server = Server(proc, f"http://{HOST}:{port}", log)
-        server.ready_s = wait_healthy(server.url, proc, log, ready_timeout)
-        yield server
-    finally:
-        stop(proc, stop_timeouts)
+    with sigterm_unwinds():
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            server = Server(proc, f"http://{HOST}:{port}", log)
+            server.ready_s = wait_healthy(server.url, proc, log, ready_timeout)
+            yield server
+        finally:
+            stop(proc, stop_timeouts)
 
 
 def realexec_serve_cmd(args: Sequence[str], port: int, python: str | None = None) -> list[str]:

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.procs import ServerError, realexec_server
+from core.procs import ServerError, realexec_server, run_child, sigterm_unwinds, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -182,9 +182,9 @@ def run_serve(model: str, out: Path, num_requests: int, rates: list[str], max_to
             print(f"server ready in {server.ready_s:.0f} s", flush=True)
             rc = 0
             for rate in rates:
-                r = subprocess.run([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--num-requests",
-                                    str(num_requests), "--rate", rate, "--max-tokens-cap", str(max_tokens_cap),
-                                    "--save-result", str(out / f"serve_rate_{rate}.json")], cwd=ROOT)
+                r = run_child([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--num-requests",
+                               str(num_requests), "--rate", rate, "--max-tokens-cap", str(max_tokens_cap),
+                               "--save-result", str(out / f"serve_rate_{rate}.json")], cwd=ROOT)
                 rc = rc or r.returncode
             return rc
     except ServerError as e:
@@ -200,24 +200,25 @@ def _step(name: str, cmd: list[str], limit: float, log: Path, env: dict | None =
     with log.open("a") as f:
         f.write(f"\n=== {name}: {' '.join(cmd)}\n")
         f.flush()
+        status = "timed out"
         try:
-            p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
-            for line in p.stdout:
-                sys.stdout.write(line)
-                f.write(line)
-                if time.perf_counter() - t0 > limit:
-                    break
-            try:
-                rc = p.wait(timeout=max(1.0, limit - (time.perf_counter() - t0)))
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc is None or time.perf_counter() - t0 > limit:
-                p.kill()
-                p.wait()
-                status = "timed out"
-            else:
-                status = "ok" if rc == 0 else f"failed (rc {rc})"
+            with sigterm_unwinds():
+                p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+                try:
+                    for line in p.stdout:
+                        sys.stdout.write(line)
+                        f.write(line)
+                        if time.perf_counter() - t0 > limit:
+                            break
+                    rc = p.wait(timeout=max(1.0, limit - (time.perf_counter() - t0)))
+                    if time.perf_counter() - t0 <= limit:
+                        status = "ok" if rc == 0 else f"failed (rc {rc})"
+                except subprocess.TimeoutExpired:
+                    pass
+                finally:
+                    # SIGINT first: the step's own servers and workers stop with it
+                    stop(p, (10.0, 5.0))
         except OSError as e:
             status = f"could not start: {e}"
     secs = time.perf_counter() - t0

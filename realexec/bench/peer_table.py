@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from core.procs import run_child
 from realexec.bench.peers.llama_server import PeerError
 
 VLLM_RUNNER = Path(__file__).with_name("peers") / "vllm_runner.py"
@@ -156,8 +157,8 @@ def run_vllm(python: str, model_dir: str | Path, requests: list[tuple[list[int],
         log_path = Path(log)
         with open(log_path, "w") as log_f:
             try:
-                rc = subprocess.run(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    timeout=timeout).returncode
+                rc = run_child(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 raise PeerError(f"vllm peer: no result after {timeout:g} s (log: {log_path})") from None
         if rc != 0 or not out_file.is_file():

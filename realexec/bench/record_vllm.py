@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from core.procs import run_child
+
 RECORDER = Path(__file__).with_name("peers") / "vllm_recorder.py"
 
 
@@ -84,7 +86,7 @@ def run_recorder(python: str, args: argparse.Namespace, requests: list[dict], lo
                "--recorded-by", shlex.join([sys.executable, "-m", "realexec", *sys.argv[1:]]),
                *[a for a in args.recorder_args if a != "--"], *extra]
         try:
-            return subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
+            return run_child(cmd, env=env, stdin=subprocess.DEVNULL, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             print(f"error: the vLLM recorder gave no result within {args.timeout:g} s", file=sys.stderr)
             return 1

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -262,7 +261,7 @@ def _load_avg() -> list[float]:
 # ----------------------------------------------------------------------------- runners
 
 def run_vs_real(args) -> int:
-    from core.procs import realexec_server
+    from core.procs import realexec_server, run_child
 
     loads = _parse_loads(args.loads)
     if args.num_requests < 1:
@@ -277,7 +276,9 @@ def run_vs_real(args) -> int:
         # host predicts a step's CPU seconds, not how long it takes there
         cmd = [sys.executable, "-m", "realexec", "profile", "--quick", "--time-basis", "wall", "--out", str(cost_model)]
         print(f"simulate-vs-real: {cost_model} is missing: profiling first ({' '.join(cmd[1:])})", flush=True)
-        subprocess.run(cmd, check=True)
+        done = run_child(cmd)
+        if done.returncode != 0:
+            raise RuntimeError(f"simulate-vs-real: profiling failed ({done.returncode}): {' '.join(cmd[1:])}")
     flags = _engine_flags(str(cost_model)) + shlex.split(args.engine_args) + ["--log-level", "warning"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -34,11 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from core.procs import run_child
 from sim.twin.grid_runs import Grid
 from sim.twin.rounds import (CALIBRATION, DESIGNS, PAIRINGS, VALIDATION, Slot, calibration_for, choose_pairing,
                         interior_calibration_runs, pairing_check, schedule)
@@ -74,7 +74,7 @@ ROUNDS = 3
 def _run(cmd: list[str], log: Path) -> None:
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        r = run_child(cmd, stdout=f, stderr=f)
     if r.returncode != 0:
         raise RuntimeError(f"{cmd[2]} failed ({r.returncode}); see {log}")
 

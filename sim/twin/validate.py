@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from core.metrics import percentile
-from core.procs import realexec_server
+from core.procs import realexec_server, run_child
 from core.cost.step_log import drop_warmup, first_visible_index, load_log, read_log, sample_times, write_record
 from sim.config import SimConfig, nonneg_int, positive_float, positive_int
 from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
@@ -156,21 +156,22 @@ def run_real(args, out: Path, run: int) -> tuple[Path, Path, dict]:
         if warmup:
             trace = out / "warmup.json"
             write_warmup_trace(trace, warmup)
-            done = subprocess.run([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--trace", str(trace),
-                                   "--num-requests", str(warmup), "--rate", "inf",
-                                   "--max-tokens-cap", str(WARMUP_TOKENS)], capture_output=True, text=True)
+            done = run_child([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--trace", str(trace),
+                              "--num-requests", str(warmup), "--rate", "inf",
+                              "--max-tokens-cap", str(WARMUP_TOKENS)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"the warm-up's bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
         machine["loadavg_1m_before"] = os.getloadavg()[0]
         server_cpu0, t0 = _process_cpu_s(server.proc.pid), time.monotonic()
         children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        bench = subprocess.Popen([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--trace", args.trace,
-                                  "--num-requests", str(args.num_requests), "--rate", str(args.rate),
-                                  "--seed", str(args.seed), "--max-tokens-cap", str(args.max_tokens_cap),
-                                  "--skip", str(getattr(args, "skip", 0)),
-                                  "--save-result", str(result)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-        _, stderr = bench.communicate()
+        bench = run_child([py, "-m", "realexec", "bench", "serve", "--url", server.url, "--trace", args.trace,
+                           "--num-requests", str(args.num_requests), "--rate", str(args.rate),
+                           "--seed", str(args.seed), "--max-tokens-cap", str(args.max_tokens_cap),
+                           "--skip", str(getattr(args, "skip", 0)),
+                           "--save-result", str(result)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+        stderr = bench.stderr
         server_cpu1 = _process_cpu_s(server.proc.pid)
         children1 = resource.getrusage(resource.RUSAGE_CHILDREN)      # the client, reaped above
         machine.update(wall_s=time.monotonic() - t0, loadavg_1m_after=os.getloadavg()[0],

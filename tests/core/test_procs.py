@@ -5,14 +5,17 @@ can ignore them, exit early or never become healthy."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
 
-from core.procs import ServerError, free_port, free_ports, realexec_serve_cmd, realexec_server, serve_process
+from core.procs import (ServerError, free_port, free_ports, realexec_serve_cmd, realexec_server, run_child,
+                        serve_process, sigterm_unwinds, stop)
 
 FAKE = textwrap.dedent("""
     import http.server, os, signal, sys, threading, time
@@ -142,3 +145,110 @@ def test_realexec_server_builds_the_command_and_refuses_a_second_port(tmp_path):
     with pytest.raises(ValueError, match="timeout must be > 0"), \
             serve_process([sys.executable, "-c", "pass"], free_port(), tmp_path / "y.log", ready_timeout=0):
         pass
+
+
+# A parent that starts the fake server (through serve_process or run_child) and then waits;
+# the tests send it SIGTERM, as `timeout` or `kill` would, and look for the orphan.
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    from core.procs import run_child, serve_process
+    fake, port, log, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    cmd = [sys.executable, fake, str(port), "ok"]
+    if how == "serve":
+        with serve_process(cmd, port, log, ready_timeout=30, stop_timeouts=(5, 5)):
+            print("ready", flush=True)
+            time.sleep(120)
+    else:
+        with open(log, "w") as f:
+            run_child(cmd, stdout=f, stderr=subprocess.STDOUT, stop_timeouts=(5, 5))
+""")
+
+
+def _wait_for(cond, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("how", ["serve", "run"])
+def test_sigterm_to_the_parent_stops_its_child_first(fake, tmp_path, how):
+    """SIGTERM (`timeout`, `kill`) to a command that started a server or a child: Python's
+    default ends it without its `finally` blocks, which left the child running. Now the
+    parent unwinds (exit status 143), its child gets SIGINT and is gone."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    log = tmp_path / "child.log"
+    fake_script = fake(0)[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, str(script), fake_script, str(free_port()), str(log), how],
+                              cwd=root, env={**os.environ, "PYTHONPATH": root}, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        assert _wait_for(lambda: log.is_file() and "pid " in log.read_text()), "the child never started"
+        if how == "serve":
+            assert parent.stdout.readline().strip() == "ready"
+        child = _pid(log.read_text())
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(30) == 143
+        assert "got SIGINT" in log.read_text()          # stopped the gentle way, by its parent
+        assert _wait_for(lambda: _gone(child), 10), "the child outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child is not None and not _gone(child):      # the failure above: no orphan either
+            os.kill(child, signal.SIGKILL)
+
+
+def test_run_child_timeout_stops_the_child_and_raises(fake, tmp_path):
+    log = tmp_path / "child.log"
+    with open(log, "w") as f, pytest.raises(subprocess.TimeoutExpired):
+        run_child(fake(free_port()), timeout=2, stdout=f, stderr=subprocess.STDOUT, stop_timeouts=(5, 5))
+    assert "got SIGINT" in log.read_text()
+    assert _gone(_pid(log.read_text()))
+
+
+def test_run_child_returns_like_subprocess_run(tmp_path):
+    done = run_child([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(4)"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert (done.returncode, done.stdout, done.stderr) == (4, "out\n", "err\n")
+
+
+def test_sigterm_handler_is_restored_and_left_alone_when_someone_else_owns_it():
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with sigterm_unwinds():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    mine = lambda signum, frame: None           # noqa: E731 - a handler someone else installed
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with sigterm_unwinds():
+            assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_stop_interrupted_while_waiting_kills_and_reraises(fake, tmp_path):
+    """A second Ctrl-C (or SIGTERM) while stop waits for a server to drain: the server is
+    killed at once, never left running, and the interruption propagates."""
+    port = free_port()
+    with serve_process(fake(port, "stubborn"), port, tmp_path / "s.log", ready_timeout=30) as server:
+        pass_through = signal.getsignal(signal.SIGALRM)
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            t0 = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                stop(server.proc, (30, 30))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, pass_through)
+        assert server.proc.returncode == -9 and time.monotonic() - t0 < 10
