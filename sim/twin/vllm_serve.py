@@ -115,11 +115,13 @@ def vllm_server(python: str, model_dir: str, step_log: str | Path, log: str | Pa
                     COMMAND_ENV: shlex.join(cmd),
                     "PYTHONPATH": os.pathsep.join([site] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))})
         kids: list[int] = []
-        with serve_process(cmd, port, log, ready_timeout=ready_timeout, env=env) as server:
-            try:
-                yield server
-            finally:
-                kids = _children(server.proc.pid)
-        for pid in kids:                      # the engine core outlived its API server: stop it
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, 9)
+        try:
+            with serve_process(cmd, port, log, ready_timeout=ready_timeout, env=env) as server:
+                try:
+                    yield server
+                finally:
+                    kids = _children(server.proc.pid)
+        finally:                              # also when the body raised or we got SIGTERM
+            for pid in kids:                  # the engine core outlived its API server: stop it
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, 9)
