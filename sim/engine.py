@@ -487,6 +487,7 @@ class SimEngine:
     def _idle_until(self, t: float):
         """Wait (engine idle) until the arrival at time t (`_next_event()`)."""
         sched, clock = self.scheduler, self.clock
+        self.executor.engine_idle()
         used = sched.kv.gpu.num_used
         dt = t - clock
         self._account(dt, used, len(sched.running), len(sched.waiting), len(sched.swapped))
@@ -564,7 +565,7 @@ class SimEngine:
             else:
                 self._finish(update_steady_step(sched, step, result, end, token_ids, extend_tokens).finished)
                 self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted, self._past_finishes)
-            if skipping and sched.requests:
+            if skipping and sched.requests and not self.executor.waking:
                 self._skip()
             if pbar is not None and not (self.num_normal_steps & 1023):
                 pbar.set_postfix_str(f"sim {self.clock:,.0f}s", refresh=False)

@@ -58,6 +58,7 @@ class SimExecutor:
         self._step_time = cost_model.step_time
         self._swap_time = cost_model.swap_time
         self._decode_step_times = getattr(cost_model, "decode_step_times", None)
+        self._engine_idle = getattr(cost_model, "engine_idle", None)
         self.swap_seconds = 0.0         # total PCIe time charged for swaps
         self.num_swapped_blocks = 0     # blocks copied out + in
         self.fast_tokens = True         # every request n == 1 without beam search (set by the engine)
@@ -83,6 +84,16 @@ class SimExecutor:
         if out.blocks_to_swap_out or out.blocks_to_swap_in:
             dt += self._swaps(out)
         return dt
+
+    def engine_idle(self) -> None:
+        """The engine waits for work: tell the cost model (its first steps after idle)."""
+        if self._engine_idle is not None:
+            self._engine_idle()
+
+    @property
+    def waking(self) -> bool:
+        """Whether the cost model still prices the next steps as after idle (no span then)."""
+        return self._engine_idle is not None and self.cost_model.waking
 
     def _swaps(self, out: SchedulerOutput) -> float:
         """PCIe time of the step's swap-outs and swap-ins (one transfer each way)."""

@@ -18,7 +18,8 @@ measured served/profiled ratio per phase (or phase and batch-size or prefill-siz
 bucket); a "client" section holds the delays a streaming client adds to the first and
 last token; a "jitter" section (`fit_step_jitter`) how served steps scatter around their
 calibrated prediction within a run, for a twin that reproduces that spread
-(`StepJitter`).
+(`StepJitter`); a "wake" section (`fit_wake`) what the first steps after the engine sat
+idle cost on top.
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and the linear terms kept non-negative (more
@@ -461,6 +462,7 @@ class ServedStep(NamedTuple):
     tokens: int
     predicted: float
     measured: float
+    wake: int = 0           # its place after the engine sat idle (1: the first step; 0: not known)
 
 
 def batch_bucket(seqs: int) -> str:
@@ -505,7 +507,7 @@ def served_factors(rows: Sequence[ServedStep], family: str) -> dict[str, float]:
     if family == "none":
         return {}
     sums: dict[str, list[float]] = {}
-    for phase, seqs, tokens, predicted, measured in rows:
+    for phase, seqs, tokens, predicted, measured, *_ in rows:
         bucket = served_key(family, phase, seqs, tokens)
         for key in [phase] + ([bucket] if bucket else []):
             acc = sums.setdefault(key, [0.0, 0.0, 0])
@@ -573,6 +575,72 @@ def fit_served_scale(rows: Sequence[Sequence], k: int = 5, seed: int = 0) -> dic
     good = [f for f in SERVED_FAMILIES if near(report[f]["pooled"], best_pooled)]
     family = next((f for f in good if near(report[f]["strata"]["mean"], best_strata)), good[0])
     return {"family": family, "factors": served_factors(rows, family), "held_out": report, "n": len(rows)}
+
+
+# -- waking from idle ----------------------------------------------------------------------
+# A served engine's first steps after it sat idle cost more than the same shapes in the
+# middle of a busy stretch (vLLM's CPU backend under a light load: the first four 3-9%
+# more; its OpenMP threads have gone to sleep, caches and the other core's front end have
+# moved on). Under a light load the first of them is the prefill of a request that found
+# the engine idle, so the model prices that request's TTFT low by as much. The "wake"
+# section holds one factor per place after idle (1..WAKE_STEPS), fitted on the calibration
+# runs on top of the served factors, which are then fitted on the other steps.
+WAKE_STEPS = 4
+MIN_WAKE_STEPS = 5                       # fewer steps at a place: its factor stays 1
+
+
+def is_wake_step(row: ServedStep, steps: int = WAKE_STEPS) -> bool:
+    return 1 <= row.wake <= steps
+
+
+def fit_wake(rows: Sequence[Sequence], factors: dict[str, float], steps: int = WAKE_STEPS) -> dict:
+    """The wake section: per place j = 1..steps after the engine sat idle, the logged over
+    the served-calibrated seconds summed over the calibration rows at that place (1 where
+    fewer than MIN_WAKE_STEPS rows are), and how many rows each rests on."""
+    sums = [[0.0, 0.0, 0] for _ in range(steps)]
+    for row in map(lambda r: ServedStep(*r), rows):
+        if is_wake_step(row, steps) and row.predicted > 0:
+            acc = sums[row.wake - 1]
+            acc[0] += row.predicted * served_factor(factors, row.phase, row.seqs, row.tokens)
+            acc[1] += row.measured
+            acc[2] += 1
+    return {"factors": [m / p if n >= MIN_WAKE_STEPS and p > 0 else 1.0 for p, m, n in sums],
+            "n": [n for _, _, n in sums]}
+
+
+def fit_served_and_wake(rows: Sequence[Sequence], k: int = 5, steps: int = WAKE_STEPS) -> tuple[dict, dict]:
+    """(served section, wake section) from calibration rows: the served factors fitted on
+    the steps a wake factor does not price (places after idle with fewer than
+    MIN_WAKE_STEPS rows stay in, and so does every row of a phase that has no other: with
+    no busy prefill, the prefill factor is the one after idle), the wake factors on top."""
+    rows = [ServedStep(*r) for r in rows]
+    counts = [0] * (steps + 1)
+    for r in rows:
+        if is_wake_step(r, steps):
+            counts[r.wake] += 1
+    priced_apart = {j for j in range(1, steps + 1) if counts[j] >= MIN_WAKE_STEPS}
+    steady_phases = {r.phase for r in rows if r.wake not in priced_apart}
+    fit_rows = [r for r in rows if r.wake not in priced_apart or r.phase not in steady_phases]
+    served = fit_served_scale(fit_rows if len(fit_rows) >= 2 else rows, k=k)
+    return served, fit_wake(rows, served["factors"], steps)
+
+
+def wake_factor(wake: Sequence[float], place: int) -> float:
+    """The factor of a step at `place` after idle (1-based; 0: not known) under a wake
+    section's factors: 1 past them."""
+    return wake[place - 1] if 1 <= place <= len(wake) else 1.0
+
+
+def calibrated_seconds(row: ServedStep, factors: dict[str, float], wake: Sequence[float] = ()) -> float:
+    """A calibration row's seconds as the calibrated model prices it."""
+    return row.predicted * served_factor(factors, row.phase, row.seqs, row.tokens) * wake_factor(wake, row.wake)
+
+
+def wake_params(model: dict, where: str = "cost model") -> tuple[float, ...]:
+    """The model's wake factors (place 1 first); () without a wake section."""
+    if model.get("wake") is None:
+        return ()
+    return tuple(float(f) for f in schema.decode(model["wake"], where, schema.Wake, path=".wake").factors)
 
 
 # -- step jitter ---------------------------------------------------------------------------
@@ -654,17 +722,18 @@ def fit_two_scales(dev: Sequence[Sequence[float]]) -> tuple[float, float, float,
     return math.sqrt(a + b), fast, (b / (a + b) if a + b > 0 else 0.0), slow
 
 
-def fit_step_jitter(runs: Sequence[Sequence[Sequence]], factors: dict[str, float]) -> dict:
+def fit_step_jitter(runs: Sequence[Sequence[Sequence]], factors: dict[str, float],
+                    wake: Sequence[float] = ()) -> dict:
     """The jitter section from calibration runs (each a list of ServedStep rows in step
-    order) and the served factors fitted on them: sigma (sd of the log residual), phi and
-    slow_share, slow_phi (the two time scales, `fit_two_scales`), run_sigma (sd across runs
-    of each run's mean log residual: how much a whole run's host state moves its speed; 0
-    with fewer than two runs), n (steps), runs."""
+    order) and the served factors (and wake factors) fitted on them: sigma (sd of the log
+    residual), phi and slow_share, slow_phi (the two time scales, `fit_two_scales`),
+    run_sigma (sd across runs of each run's mean log residual: how much a whole run's host
+    state moves its speed; 0 with fewer than two runs), n (steps), runs."""
     dev: list[list[float]] = []
     means: list[float] = []
     for rows in runs:
-        logs = [math.log(m / (p * served_factor(factors, ph, sq, tk)))
-                for ph, sq, tk, p, m in map(ServedStep._make, rows) if p > 0 and m > 0]
+        logs = [math.log(r.measured / calibrated_seconds(r, factors, wake))
+                for r in (ServedStep(*row) for row in rows) if r.predicted > 0 and r.measured > 0]
         if len(logs) >= MIN_JITTER_STEPS:
             mean = sum(logs) / len(logs)
             means.append(mean)
@@ -755,6 +824,14 @@ def client_delays(model: dict, where: str = "cost model") -> tuple[float, float]
         return 0.0, 0.0
     c = schema.decode(model["client"], where, schema.Client, path=".client")
     return c.first_token_s, c.last_token_s
+
+
+def intake_delay(model: dict, where: str = "cost model") -> float:
+    """Seconds from a request reaching the server to its reaching the engine (the server's
+    own work on it and the hand-off; the `client` section's intake_s); 0 without one."""
+    if model.get("client") is None:
+        return 0.0
+    return schema.decode(model["client"], where, schema.Client, path=".client").intake_s
 
 
 class StepCostEvaluator:

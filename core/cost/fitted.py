@@ -12,12 +12,17 @@ With `jitter_seed` (`sim run --jitter-seed S`), a calibrated model's "jitter" se
 `core.cost.fit.StepJitter`: one draw per step, in step order, so the engine must run
 step by step (the simulator turns event skipping off; spans would price steps whose
 draws a cut discards).
+
+A calibrated model's "wake" section prices the first steps after the engine sat idle
+apart: the engine calls `engine_idle()` when it waits for work, and the next steps cost
+the section's factors (place 1 first) on top of the served calibration. The simulator
+starts no event-skipping span while such steps are pending (`waking`).
 """
 from __future__ import annotations
 
 import json
 
-from core.cost.fit import StepCostEvaluator, StepJitter, jitter_params, swap_seconds
+from core.cost.fit import StepCostEvaluator, StepJitter, jitter_params, swap_seconds, wake_params
 from core.cost.model import BatchShape, CostModel
 
 
@@ -43,6 +48,8 @@ class FittedCostModel:
             if params is None:
                 raise ValueError(f"{where}: --jitter-seed needs a jitter section (a `sim calibrate` output)")
             self.jitter = StepJitter(*params, seed=jitter_seed)
+        self.wake = wake_params(model, where)
+        self._place = 0                  # the engine starts idle: the next step is place 1
         self.profile = model.get("profile", {})
         # "cpu": step times are the stepping thread's CPU seconds (a core of its own), else wall seconds
         self.time_basis = self.profile.get("time_basis", "wall")
@@ -55,7 +62,19 @@ class FittedCostModel:
 
     def step_time(self, batch: BatchShape) -> float:
         t = self.evaluator.step_time(batch.num_seqs, batch.num_new_tokens, batch.context_sum, batch.attn_pairs)
+        if t > 0 and self._place < len(self.wake):
+            t *= self.wake[self._place]
+            self._place += 1
         return t * self.jitter.next() if self.jitter is not None and t > 0 else t
+
+    def engine_idle(self) -> None:
+        """The engine sat idle: its next steps are the wake section's."""
+        self._place = 0
+
+    @property
+    def waking(self) -> bool:
+        """Whether the next step still gets a wake factor."""
+        return self._place < len(self.wake)
 
     def host_time(self, batch: BatchShape) -> float:
         """The profile's fitted engine overhead (scheduling, update, detokenization) of this
@@ -76,6 +95,8 @@ class FittedCostModel:
         same floats (same evaluator call), for event skipping."""
         if self.jitter is not None:
             raise RuntimeError("jittered step times are drawn one step at a time: run without event skipping")
+        if self.waking:
+            raise RuntimeError("the first steps after idle are priced one at a time: no span while `waking`")
         step = self.evaluator.step_time
         n = num_seqs
         return [step(n, n, ctx, ctx + n) for ctx in range(context_sum, context_sum + k * n, n)] if n > 0 \

@@ -81,12 +81,25 @@ class Served(msgspec.Struct):
 
 
 class Client(msgspec.Struct):
-    """Seconds a client sees its first / last token after the engine produced it."""
+    """Seconds a client sees its first / last token after the engine produced it, and
+    (intake_s) after reaching the server a request reaches the engine."""
     first_token_s: float
     last_token_s: float
+    intake_s: NonNegative = 0.0
 
     def __post_init__(self) -> None:
         _finite("first_token_s and last_token_s", self.first_token_s, self.last_token_s)
+
+
+class Wake(msgspec.Struct):
+    """The first steps after the engine sat idle: one factor per place (core.cost.fit.fit_wake)."""
+    factors: list[float]
+    n: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        for i, f in enumerate(self.factors):        # here, to name the place
+            if not (math.isfinite(f) and f > 0):
+                raise ValueError(f"wake factor {i + 1} must be finite and > 0, got {f!r}")
 
 
 class Jitter(msgspec.Struct):
@@ -134,6 +147,7 @@ class CostModelFile(msgspec.Struct):
     served: Served | None = None
     client: Client | None = None
     jitter: Jitter | None = None
+    wake: Wake | None = None
     engine: Engine | None = None
 
 

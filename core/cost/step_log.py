@@ -22,6 +22,7 @@ Times are seconds since the log started (monotonic clock).
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, bisect_right
 from typing import IO, Iterator
 
 LOG_FORMAT = "twinserve-step-log"
@@ -161,6 +162,48 @@ def loop_step_seconds(steps: list[dict], arrivals: list[dict] | None = None) -> 
         if entered is not None and all(entered.get(b[0], -1.0) > rec["t_end"] for b in nxt["decision"]["batch"]):
             continue
         out.append((rec, rec["step_s"] + gap))
+    return out
+
+
+def steps_since_idle(steps: list[dict], arrivals: list[dict] | None = None) -> list[int]:
+    """Per step (in log order), its place in the stretch the engine has been busy: 1 for the
+    first step after the engine sat idle (the log's first step; a step each of whose
+    requests reached the server after the previous step ended, so that the engine ran out
+    of work and waited, or, without `arrivals`, one after a gap over MAX_LOOP_GAP_S), 2
+    for the next one, and so on. (A request that reached the server during the previous
+    step and is handed over as it ends kept the engine busy.) A cost model's `wake`
+    section prices the first few apart (core.cost.fit.fit_wake)."""
+    reached = ({a["req_id"]: a.get("t_arrival", a["t"]) for a in arrivals} if arrivals is not None else None)
+    out: list[int] = []
+    for i, rec in enumerate(steps):
+        if i == 0:
+            out.append(1)
+            continue
+        prev_end = steps[i - 1]["t_end"]
+        if reached is not None:
+            batch = rec["decision"]["batch"]
+            woke = bool(batch) and all(reached.get(b[0], -1.0) > prev_end for b in batch)
+        else:
+            woke = rec["t_start"] - prev_end > MAX_LOOP_GAP_S
+        out.append(1 if woke else out[-1] + 1)
+    return out
+
+
+def intake_seconds(steps: list[dict], arrivals: list[dict]) -> list[float]:
+    """Per request that found the engine idle (its last step ended before the request
+    reached the server, and none started before the engine took it), the seconds from
+    reaching the server (t_arrival) to entering the engine (t): the server's own work on a
+    request and the hand-off, which a request joining a busy engine hides in the step in
+    flight. Arrival order."""
+    ends = sorted(s["t_end"] for s in steps)
+    starts = sorted(s["t_start"] for s in steps)
+    out = []
+    for a in sorted(arrivals, key=lambda a: a.get("t_arrival", a["t"])):
+        t_arrival, t = a.get("t_arrival", a["t"]), a["t"]
+        # a step that started before t and ended after t_arrival: the engine was busy
+        busy = bisect_left(starts, t) - bisect_right(ends, t_arrival)
+        if busy <= 0:
+            out.append(t - t_arrival)
     return out
 
 

@@ -119,6 +119,7 @@ class PacedReplica(Replica):
             if not sched.requests:
                 if not fleet.more_work_may_come(self):
                     break
+                ex.engine_idle()
                 yield from self._wait_for_delivery(clock)
                 if not self.inbox and not sched.requests and not fleet.more_work_may_come(self):
                     break
@@ -152,7 +153,7 @@ class PacedReplica(Replica):
             self.clock = end
             if self.after_step is not None:
                 self.after_step(self)
-            if skipping and sched.requests:
+            if skipping and sched.requests and not ex.waking:
                 yield from self._skip()
 
     def _wait_for_delivery(self, clock: float):

@@ -291,6 +291,7 @@ class Replica(SimEngine):
             if self.inbox:
                 self._intake_inbox()
             if not sched.requests:
+                ex.engine_idle()
                 self._wait()
                 return
             # The step that admits arrivals after a span takes the plan's decodes in bulk, as
@@ -330,7 +331,7 @@ class Replica(SimEngine):
             else:
                 self._finish(update_steady_step(sched, step, result, end, ex.token_ids, ex.extend_tokens).finished)
                 self._steady = renew_steady_plan(sched, step.plan, True, step.out.admitted, self._past_finishes)
-            self._span_due = skipping
+            self._span_due = skipping and not ex.waking      # (the first steps after idle: one at a time)
 
     def _start_span(self, a: float) -> bool:
         """Plan a steady-decode span from the clock (False: none now), its first chunk

@@ -17,7 +17,12 @@ copy of the profile with two more sections:
     much whole runs do (`run_sigma`: sd of the runs' mean log ratios; reported, not drawn);
   * `client`: the median extra seconds between the engine making a request's first / last
     token (measured from when the request reached the server) and the client receiving
-    it (HTTP in, streaming out); `sim validate` adds them to the simulated latencies.
+    it (HTTP in, streaming out); `sim validate` adds them to the simulated latencies; and
+    `intake_s`, the median seconds from a request reaching the server to reaching the
+    engine, over the requests that found the engine idle (a busy engine hides them in
+    its step in flight): `sim validate` hands each request to the engine that much later;
+  * `wake`: what the first steps after the engine sat idle cost on top of the served
+    factors (which are fitted on the other steps).
 
 With `--real vllm --vllm-python PATH --model-dir DIR` the calibration runs are `vllm serve`'s
 (its scheduler's steps recorded; --load's flags are vllm serve's), and without
@@ -35,8 +40,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from core.cost.fit import StepCostEvaluator, check_model, fit_served_scale, fit_step_jitter, summarize_errors
-from core.cost.step_log import first_visible_index, load_log, sample_times
+from core.cost.fit import StepCostEvaluator, check_model, fit_served_and_wake, fit_step_jitter, summarize_errors
+from core.cost.step_log import first_visible_index, intake_seconds, load_log, sample_times
 from sim.config import positive_int
 from sim.twin.served_steps import log_step_rows
 from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
@@ -134,21 +139,25 @@ def calibrate(model: dict, runs: list[tuple[Path, dict]], folds: int = 5) -> dic
     check_model(model)
     evaluator = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
     basis = model.get("profile", {}).get("time_basis", "wall")
-    per_run, delays = [], []
+    per_run, delays, intakes = [], [], []
     for log, bench in runs:
         per_run.append(log_step_rows(log, evaluator, basis))
         delays += client_delay_samples(log, bench)
+        _, arrivals, steps, _ = load_log(str(log))
+        intakes += intake_seconds(steps, arrivals)
     rows = [r for run in per_run for r in run]
     if not delays:
         raise ValueError("no request of the calibration runs could be paired with its bench result")
     out = dict(model)
-    out["served"] = fit_served_scale(rows, k=folds)
+    # the served factors price a busy engine's steps; the wake section the first few after idle
+    out["served"], out["wake"] = fit_served_and_wake(rows, k=folds)
     out["served"]["rows"] = [list(r) for r in rows]
     out["client"] = {"first_token_s": statistics.median(d[0] for d in delays),
                      "last_token_s": statistics.median(d[1] for d in delays), "n": len(delays),
+                     "intake_s": max(0.0, statistics.median(intakes)) if intakes else 0.0, "intake_n": len(intakes),
                      "first_token": summarize_errors([d[0] for d in delays]),
                      "last_token": summarize_errors([d[1] for d in delays])}
-    out["jitter"] = fit_step_jitter(per_run, out["served"]["factors"])
+    out["jitter"] = fit_step_jitter(per_run, out["served"]["factors"], out["wake"]["factors"])
     check_model(out)
     return out
 
@@ -177,6 +186,12 @@ def format_report(model: dict) -> str:
                      f"{e['total']['mean'] * 100:5.1f}% | per stratum {strata * 100:5.1f}% | step median "
                      f"{e['step']['median'] * 100:5.1f}%  (n={e['step']['n']})")
     lines.append("factors: " + (", ".join(f"{k} x{v:.3f}" for k, v in sorted(served["factors"].items())) or "none"))
+    wake = model.get("wake")
+    if wake:
+        counts = wake.get("n") or [None] * len(wake["factors"])
+        lines.append("first steps after the engine sat idle (wake): " + ", ".join(
+            f"{i + 1}. x{f:.3f}" + (f" ({n} steps)" if n is not None else "")
+            for i, (f, n) in enumerate(zip(wake["factors"], counts))))
     jitter = model.get("jitter")
     if jitter:
         lines.append(f"step jitter within a run (--jitter-seed): sd {jitter['sigma'] * 100:.1f}% of a step's time, "
@@ -184,6 +199,9 @@ def format_report(model: dict) -> str:
                      f"whole runs differ by sd {jitter.get('run_sigma', 0.0) * 100:.1f}% (host state; not drawn)")
     lines.append(f"client delay (median over {client['n']} requests): first token +{client['first_token_s'] * 1e3:.1f} ms, "
                  f"last token +{client['last_token_s'] * 1e3:.1f} ms after the engine made it")
+    if client.get("intake_n"):
+        lines.append(f"intake (median over the {client['intake_n']} requests that found the engine idle): a request "
+                     f"reaches the engine +{client['intake_s'] * 1e3:.1f} ms after the server")
     return "\n".join(lines)
 
 

@@ -96,15 +96,15 @@ def calibration_for(slots: Sequence[Slot], target: Slot, pairing: str = "neighbo
     return [slots[i] for i in picked]
 
 
-Rows = Sequence[ServedStep]          # (phase, seqs, tokens, grid prediction s, logged s) per step
+Rows = Sequence[ServedStep]          # (phase, seqs, tokens, grid prediction s, logged s, place after idle) per step
 
 
 def total_error(fit_rows: Rows, held_rows: Rows) -> float:
     """Signed relative error of the held-out run's total logged seconds when each of its
     steps is priced by the served scale fitted on `fit_rows`."""
     factors = fit_served_scale(fit_rows)["factors"]
-    predicted = sum(p * served_factor(factors, phase, seqs, tokens) for phase, seqs, tokens, p, _ in held_rows)
-    measured = sum(m for *_, m in held_rows)
+    predicted = sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in held_rows)
+    measured = sum(r.measured for r in held_rows)
     return (predicted - measured) / measured
 
 

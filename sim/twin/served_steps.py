@@ -5,19 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.cost.fit import ServedStep, StepCostEvaluator, phase_of, served_factor, shape_of
-from core.cost.step_log import is_vllm_log, load_log, loop_step_seconds
+from core.cost.fit import ServedStep, StepCostEvaluator, calibrated_seconds, phase_of, shape_of, wake_params
+from core.cost.step_log import is_vllm_log, load_log, loop_step_seconds, steps_since_idle
 
 
 def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm: bool = False,
               arrivals: list[dict] | None = None) -> list[ServedStep]:
-    """(phase, seqs, tokens, grid model's prediction, logged seconds) per logged step: CPU
-    seconds of the stepping thread for a CPU-basis profile, else wall seconds; of a vLLM log
-    (`vllm`), a step's seconds run to the next step's schedule(), as `bench fit-vllm` fits
-    them (core.cost.step_log.loop_step_seconds; `arrivals` tell its idle gaps)."""
+    """(phase, seqs, tokens, grid model's prediction, logged seconds, place after idle) per
+    logged step: CPU seconds of the stepping thread for a CPU-basis profile, else wall
+    seconds; of a vLLM log (`vllm`), a step's seconds run to the next step's schedule(), as
+    `bench fit-vllm` fits them (core.cost.step_log.loop_step_seconds; `arrivals` tell its
+    idle gaps, and every log's steps' places after idle: steps_since_idle)."""
     key = "cpu_s" if basis == "cpu" else "step_s"
     if vllm and key != "step_s":
         raise ValueError("a vLLM log has wall seconds only: its cost model is a wall-basis one")
+    place = {id(s): k for s, k in zip(steps, steps_since_idle(steps, arrivals))}
     timed = loop_step_seconds(steps, arrivals) if vllm else [(s, s.get(key)) for s in steps]
     rows = []
     for s, seconds in timed:
@@ -28,7 +30,7 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm:
             raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
         predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
-        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, seconds))
+        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, seconds, place[id(s)]))
     return rows
 
 
@@ -45,9 +47,8 @@ def served_ratio(model: dict, log: Path) -> tuple[float, float]:
     against the calibrated model: its host state (1: the steps cost what they are priced)."""
     grid = StepCostEvaluator({k: v for k, v in model.items() if k not in ("served", "client")})
     rows = log_step_rows(log, grid, model.get("profile", {}).get("time_basis", "wall"))
-    factors = model.get("served", {}).get("factors", {})
+    factors, wake = model.get("served", {}).get("factors", {}), wake_params(model, str(log))
     g = sum(r.predicted for r in rows)
     if not g:
         raise ValueError(f"{log}: no executed step to price")
-    return (sum(r.measured for r in rows) / g,
-            sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in rows) / g)
+    return sum(r.measured for r in rows) / g, sum(calibrated_seconds(r, factors, wake) for r in rows) / g

@@ -209,7 +209,7 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
             steady.append(run_sim(config, trace, path, engine["first_visible"]).stats)
             actual, priced = served_ratio(model, log)
             entry.update(fed=[c.name for c in fed], family=model["served"]["family"],
-                         factors=model["served"]["factors"], client=model["client"],
+                         factors=model["served"]["factors"], wake=model.get("wake"), client=model["client"],
                          validation_ratio=actual, predicted_ratio=priced,
                          calibration_ratios=[served_ratio(model, runs[c][0])[0] for c in fed])
             # the host term: the same model at the speed this run's steps actually had
@@ -264,10 +264,11 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if rounds and "factors" in rounds[0]:
-        lines += ["| round | fitted on | family | factors | step jitter sd / corr. (+ slow part's share / corr.) | "
-                  "client delay first/last (ms) | calibration runs' served/profile | validation run's served/profile "
+        lines += ["| round | fitted on | family | factors | first steps after idle | "
+                  "step jitter sd / corr. (+ slow part's share / corr.) | "
+                  "client delay first/last, intake (ms) | calibration runs' served/profile | validation run's served/profile "
                   "| calibrated model on its steps |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rounds:
             factors = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(r["factors"].items()))
             fed = " + ".join(r["fed"]) if len(r["fed"]) <= 2 else f"all {len(r['fed'])} calibration runs"
@@ -275,8 +276,10 @@ def markdown(report: dict) -> str:
             jitter_cell = f"{jitter['sigma'] * 100:.1f}% / {jitter['phi']:.2f}" if jitter else "-"
             if jitter.get("slow_share"):
                 jitter_cell += f" + {jitter['slow_share'] * 100:.0f}% slow / {jitter['slow_phi']:.2f}"
-            lines.append(f"| {r['round'] + 1} | {fed} | {r['family']} | {factors} | {jitter_cell} | "
-                         f"{r['client']['first_token_s'] * 1e3:.1f} / {r['client']['last_token_s'] * 1e3:.1f} | "
+            wake = " ".join(f"x{f:.2f}" for f in (r.get("wake") or {}).get("factors", [])) or "-"
+            lines.append(f"| {r['round'] + 1} | {fed} | {r['family']} | {factors} | {wake} | {jitter_cell} | "
+                         f"{r['client']['first_token_s'] * 1e3:.1f} / {r['client']['last_token_s'] * 1e3:.1f}, "
+                         f"{r['client'].get('intake_s', 0.0) * 1e3:.1f} | "
                          + ", ".join(f"x{x:.3f}" for x in r["calibration_ratios"])
                          + f" | x{r['validation_ratio']:.3f} | x{r['predicted_ratio']:.3f} |")
         lines.append("")

@@ -40,6 +40,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -312,13 +313,19 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
     the first and the last token (HTTP in and streaming out, from a served calibration).
     jitter_draws > 0 and a model with a jitter section: that many simulations with step
     jitter seeds 0, 1, ..., their statistics averaged (the twin's expected value); the
-    per-request latencies, the batch timeline and the result are the first draw's."""
-    from core.cost.fit import client_delays, jitter_params
+    per-request latencies, the batch timeline and the result are the first draw's. Each
+    request reaches the simulated engine the model's intake delay after the server (the
+    server's own work on it), latencies still counted from the server."""
+    from core.cost.fit import client_delays, intake_delay, jitter_params
     from core.cost.fitted import load_cost_model_file
     from sim.run import simulate
 
     model = load_cost_model_file(cost_model)
     first_delay, last_delay = client_delays(model, cost_model)
+    intake = intake_delay(model, cost_model)
+    if intake:              # the engine sees every request `intake` later; its latencies count from the server
+        trace = Trace([replace(r, arrival_time=r.arrival_time + intake) for r in trace.requests], trace.source)
+        first_delay, last_delay = first_delay + intake, last_delay + intake
     seeds = list(range(jitter_draws)) if jitter_draws > 0 and jitter_params(model, cost_model) else [None]
     draws = []
     for seed in seeds:

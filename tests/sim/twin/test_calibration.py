@@ -1080,12 +1080,15 @@ class DriftingHost:
               "policies": {"queue": "fcfs", "preemption": "recompute", "victim": "newest", "eviction": "lru"}}
     REQUESTS = {"calibration": [(24, 6), (60, 5), (9, 8), (40, 6)], "validation": [(30, 7), (12, 6), (50, 5)]}
 
-    def __init__(self, model: dict, slots: list, drift, jitter=None):
+    def __init__(self, model: dict, slots: list, drift, jitter=None, wake=(), intake=0.0):
         self.grid, self.slots, self.drift = StepCostEvaluator(model), slots, drift
         self.jitter = jitter          # a StepJitter: each step also x its next factor
+        self.wake = wake              # the first steps of each request (after idle) also x these
+        self.intake = intake          # seconds from the server to the engine
 
-    def _step(self, recs, t, rid, start, n, speed):
+    def _step(self, recs, t, rid, start, n, speed, place=0):
         dt = self.grid.step_time(*shape_of([start], [n])) * speed * (self.jitter.next() if self.jitter else 1.0)
+        dt *= self.wake[place] if place < len(self.wake) else 1.0
         recs.append({"kind": "step", "step": len(recs), "t_start": t, "t_end": t + dt, "step_s": dt, "cpu_s": dt,
                      "decision": {"batch": [[rid, start, n, 1, 4]], "preempted": []}})
         return t + dt
@@ -1096,13 +1099,13 @@ class DriftingHost:
         bench = {"ttfts": [], "itls": [], "input_lens": [], "output_lens": [], "errors": []}
         for i, (prompt, out) in enumerate(self.REQUESTS[slot.role]):
             rid, arrival = f"{slot.role}{i}", 1.0 + 5.0 * i
-            t = max(t, arrival)
+            t = max(t, arrival + self.intake)
             recs.append({"kind": "arrival", "req_id": rid, "step": len(recs), "t": t, "t_arrival": arrival,
                          "prompt_token_ids": [7] * prompt})
             t = first = self._step(recs, t, rid, 0, prompt, speed)
             itls = []
             for j in range(1, out):
-                end = self._step(recs, t, rid, prompt + j - 1, 1, speed)
+                end = self._step(recs, t, rid, prompt + j - 1, 1, speed, j)
                 itls.append(end - t)
                 t = end
             recs.append({"kind": "finish", "req_id": rid, "status": "length", "num_output_tokens": out,
@@ -1117,7 +1120,8 @@ class DriftingHost:
         return log, result, {"loadavg_1m_before": 0.0, "loadavg_1m_after": 0.0}
 
 
-def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift, jitter=None) -> tuple[dict, str, dict]:
+def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift, jitter=None, wake=(),
+                               intake: float = 0.0) -> tuple[dict, str, dict]:
     """(light scenario's report, the pairing chosen by the held-out check, the check)."""
     from sim.twin.rounds import schedule
     from sim.twin.tables import pick_pairing, scenario_report, serve_all
@@ -1127,7 +1131,7 @@ def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift, jitter=None) 
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     slots = schedule(["light"], 3, design)
-    runs = serve_all(slots, DriftingHost(profile, slots, drift, jitter), tmp_path / "runs")
+    runs = serve_all(slots, DriftingHost(profile, slots, drift, jitter, wake, intake), tmp_path / "runs")
     pairing, check = pick_pairing(slots, runs, profile)
     return scenario_report("light", slots, runs, profile, str(path), tmp_path / "light", pairing), pairing, check
 
