@@ -221,3 +221,21 @@ def test_calibration_measures_the_intake_and_the_twin_hands_requests_over_that_l
     assert real["median_ttft"] - stats["median_ttft"] == pytest.approx(0.03, abs=1e-6)
     with pytest.raises(ValueError, match="intake_s"):
         check_model({**model, "client": {**model["client"], "intake_s": -0.01}})
+
+
+def test_disaggregated_replicas_wake_after_their_own_idle_gaps(tmp_path):
+    """A prefill replica and a decode replica, requests far apart: the prefill replica's
+    every prefill is its first step after idle (TTFT x1.3), and spans change nothing."""
+    from sim.cluster.disagg import LINKS, DisaggConfig, DisaggFleet
+
+    trace = _spaced_trace(5, 20.0)
+    results = {}
+    for name, wake, skipping in (("plain", None, True), ("wake", [1.3, 1.1], True), ("stepwise", [1.3, 1.1], False)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(_model(wake)))
+        cfg = SimConfig(model="SmolLM2-135M", hardware="cpu-2core", num_gpu_blocks=400, cost_model=str(path),
+                        event_skipping=skipping)
+        results[name] = DisaggFleet(DisaggConfig(cfg, 1, 1, next(iter(LINKS))), trace).run()
+    assert results["wake"].records == results["stepwise"].records
+    for a, b in zip(results["plain"].records, results["wake"].records):
+        assert b.ttft == pytest.approx(1.3 * a.ttft, rel=1e-9)
