@@ -218,13 +218,14 @@ def test_run_child_returns_like_subprocess_run(tmp_path):
 
 
 def test_sigterm_handler_is_restored_and_left_alone_when_someone_else_owns_it():
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    with sigterm_unwinds():
-        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    mine = lambda signum, frame: None           # noqa: E731 - a handler someone else installed
-    previous = signal.signal(signal.SIGTERM, mine)
+    # (an earlier test in the same process may have left its own handler, e.g. ray.init's)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
+        with sigterm_unwinds():
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        mine = lambda signum, frame: None           # noqa: E731 - a handler someone else installed
+        signal.signal(signal.SIGTERM, mine)
         with sigterm_unwinds():
             assert signal.getsignal(signal.SIGTERM) is mine
         assert signal.getsignal(signal.SIGTERM) is mine
