@@ -18,8 +18,8 @@ measured served/profiled ratio per phase (or phase and batch-size or prefill-siz
 bucket); a "client" section holds the delays a streaming client adds to the first and
 last token; a "jitter" section (`fit_step_jitter`) how served steps scatter around their
 calibrated prediction within a run, for a twin that reproduces that spread
-(`StepJitter`); a "wake" section (`fit_wake`) what the first steps after the engine sat
-idle cost on top.
+(`StepJitter`); a "wake" section (`fit_served_and_wake`) what the first steps after the
+engine sat idle cost on top.
 
 Coefficients are fitted by relative-error least squares (weights 1/y^2: a 2 ms decode
 step counts as much as a 200 ms prefill) and the linear terms kept non-negative (more
@@ -579,10 +579,10 @@ def fit_served_scale(rows: Sequence[Sequence], k: int = 5, seed: int = 0) -> dic
 
 # -- waking from idle ----------------------------------------------------------------------
 # A served engine's first steps after it sat idle cost more than the same shapes in the
-# middle of a busy stretch (vLLM's CPU backend under a light load: the first four 3-9%
-# more; its OpenMP threads have gone to sleep, caches and the other core's front end have
-# moved on). Under a light load the first of them is the prefill of a request that found
-# the engine idle, so the model prices that request's TTFT low by as much. The "wake"
+# middle of a busy stretch (the first one: vLLM's CPU backend under a light load +2-7%,
+# ours +2-3%; the steps after it within their noise: caches and the other core's front
+# end have moved on meanwhile). Under a light load it is the prefill of a request that
+# found the engine idle, so a model without it prices that request's TTFT low. The "wake"
 # section holds one factor per place after idle (1..WAKE_STEPS), fitted on the calibration
 # runs on top of the served factors, which are then fitted on the other steps.
 WAKE_STEPS = 4
