@@ -598,7 +598,7 @@ def fit_wake(rows: Sequence[Sequence], factors: dict[str, float], steps: int = W
     the served-calibrated seconds summed over the calibration rows at that place (1 where
     fewer than MIN_WAKE_STEPS rows are), and how many rows each rests on."""
     sums = [[0.0, 0.0, 0] for _ in range(steps)]
-    for row in map(lambda r: ServedStep(*r), rows):
+    for row in (ServedStep(*r) for r in rows):
         if is_wake_step(row, steps) and row.predicted > 0:
             acc = sums[row.wake - 1]
             acc[0] += row.predicted * served_factor(factors, row.phase, row.seqs, row.tokens)

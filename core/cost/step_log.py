@@ -149,17 +149,15 @@ def loop_step_seconds(steps: list[dict], arrivals: list[dict] | None = None) -> 
     """(step, seconds) for a vLLM log: the step's schedule-to-update time plus the gap until
     the next step's schedule() (the engine core's output processing and hand-off to its
     front end: not zero, and a cost model of vLLM prices it as the step's overhead). Left
-    out: the last step (no next one), a step followed by a negative gap, and one after which
-    the engine sat idle: every request of the next step entered the engine after this step
-    ended (with `arrivals`: the engine waited for them; a light load's idle gaps were 6-8% of
-    its logged time), or, without arrivals, a gap over MAX_LOOP_GAP_S."""
-    entered = {a["req_id"]: a["t"] for a in arrivals} if arrivals is not None else None
+    out: the last step (no next one), a step followed by a negative gap or one over
+    MAX_LOOP_GAP_S, and one after which the engine sat idle (the next step is the first
+    after idle, `steps_since_idle`: with `arrivals`, its requests all reached the server
+    after this step ended; a light load's idle gaps were 6-8% of its logged time)."""
+    place = steps_since_idle(steps, arrivals)
     out = []
-    for rec, nxt in zip(steps, steps[1:]):
+    for i, (rec, nxt) in enumerate(zip(steps, steps[1:])):
         gap = nxt["t_start"] - rec["t_end"]
-        if gap < 0 or gap > MAX_LOOP_GAP_S:
-            continue
-        if entered is not None and all(entered.get(b[0], -1.0) > rec["t_end"] for b in nxt["decision"]["batch"]):
+        if gap < 0 or gap > MAX_LOOP_GAP_S or place[i + 1] == 1:
             continue
         out.append((rec, rec["step_s"] + gap))
     return out

@@ -41,9 +41,9 @@ import sys
 from pathlib import Path
 
 from core.cost.fit import StepCostEvaluator, check_model, fit_served_and_wake, fit_step_jitter, summarize_errors
-from core.cost.step_log import first_visible_index, intake_seconds, load_log, sample_times
+from core.cost.step_log import first_visible_index, intake_seconds, is_vllm_log, load_log, sample_times
 from sim.config import positive_int
-from sim.twin.served_steps import log_step_rows
+from sim.twin.served_steps import step_rows
 from sim.twin.vllm_serve import add_real_engine_arguments, check_real_engine
 
 DEFAULT_PROFILE = "results/profile.json"
@@ -113,14 +113,15 @@ def add_parser(sub) -> None:
                                  "args are vllm serve flags")
 
 
-def client_delay_samples(log: Path, bench: dict) -> list[tuple[float, float]]:
-    """(first, last) per request: seconds from the engine's first / last token (the end of
-    the step that sampled it; the first is the first token with text, as a streaming client
-    sees it; from the request reaching the server) to the client's. The bench result lists
-    requests in sending order, the log by arrival at the server: they are paired in that
-    order, and a pair whose prompt lengths differ is left out."""
-    _, arrivals, steps, finishes = load_log(str(log))
-    arrivals.sort(key=lambda a: a.get("t_arrival", a["t"]))
+def client_delay_samples(log: tuple, bench: dict) -> list[tuple[float, float]]:
+    """(first, last) per request of a loaded step log (`load_log`'s tuple): seconds from the
+    engine's first / last token (the end of the step that sampled it; the first is the first
+    token with text, as a streaming client sees it; from the request reaching the server) to
+    the client's. The bench result lists requests in sending order, the log by arrival at
+    the server: they are paired in that order, and a pair whose prompt lengths differ is
+    left out."""
+    _, arrivals, steps, finishes = log
+    arrivals = sorted(arrivals, key=lambda a: a.get("t_arrival", a["t"]))
     times = sample_times(steps)
     out = []
     for a, ttft, itl, n_in, err in zip(arrivals, bench["ttfts"], bench["itls"], bench["input_lens"], bench["errors"]):
@@ -141,9 +142,9 @@ def calibrate(model: dict, runs: list[tuple[Path, dict]], folds: int = 5) -> dic
     basis = model.get("profile", {}).get("time_basis", "wall")
     per_run, delays, intakes = [], [], []
     for log, bench in runs:
-        per_run.append(log_step_rows(log, evaluator, basis))
-        delays += client_delay_samples(log, bench)
-        _, arrivals, steps, _ = load_log(str(log))
+        loaded = config, arrivals, steps, _ = load_log(str(log))
+        per_run.append(step_rows(steps, evaluator, basis, vllm=is_vllm_log(config), arrivals=arrivals))
+        delays += client_delay_samples(loaded, bench)
         intakes += intake_seconds(steps, arrivals)
     rows = [r for run in per_run for r in run]
     if not delays:

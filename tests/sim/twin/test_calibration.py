@@ -820,19 +820,20 @@ def _log_with_tokens(path: Path, first_text_token: int | None) -> None:
 
 
 def test_client_delays_count_from_the_first_token_with_text(tmp_path):
+    from core.cost.step_log import load_log
     from sim.twin.calibrate import client_delay_samples
     from sim.twin.validate import workload_from_log
 
     bench = {"ttfts": [0.62], "itls": [[0.1]], "input_lens": [3], "errors": [""]}
     log = tmp_path / "steps.jsonl"
     _log_with_tokens(log, 2)                # the first token had no text: the client's first is the 2nd
-    (first, last), = client_delay_samples(log, bench)
+    (first, last), = client_delay_samples(load_log(str(log)), bench)
     assert first == pytest.approx(0.62 - 0.6) and last == pytest.approx(0.72 - 0.7)
     _, _, engine = workload_from_log(log)
     assert engine["first_visible"] == {"a": 1} and engine["first"]["a"] == pytest.approx(0.6)
     _log_with_tokens(log, None)             # an older log: the first token
-    assert client_delay_samples(log, bench)[0][0] == pytest.approx(0.62 - 0.5)
-    assert client_delay_samples(log, dict(bench, input_lens=[4])) == []     # not the same request: left out
+    assert client_delay_samples(load_log(str(log)), bench)[0][0] == pytest.approx(0.62 - 0.5)
+    assert client_delay_samples(load_log(str(log)), dict(bench, input_lens=[4])) == []     # not the same request: left out
 
 
 def test_the_simulated_client_sees_the_first_visible_token_plus_the_client_delay(tmp_path):
