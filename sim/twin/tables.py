@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -181,7 +182,7 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     from sim.twin.calibrate import calibrate
     from sim.twin.served_steps import served_ratio
     from sim.twin.validate import (bench_latencies, client_stats, cpu_share, draw, engine_stats, mean_stats,
-                              rel_errors, run_noise, run_sim, run_sim_scaled, workload_from_log)
+                              rel_errors, run_noise, run_sim, run_sim_scaled, standard_error, workload_from_log)
 
     out.mkdir(parents=True, exist_ok=True)
     vals = [s for s in slots if s.role == VALIDATION and s.scenario == name]
@@ -190,9 +191,12 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
     if calibrate_runs:
         once_path = out / "calibrated.once.json"          # one calibration before everything: C0 alone
         once_path.write_text(json.dumps(calibrate(profile, [runs[cals[0]][:2]])))
-    rounds, real, sim, once, base, steady, at_speed = [], [], [], [], [], [], []
-    for v in vals:
+    rounds, real, sim, once, base, steady, at_speed, sim_draws = [], [], [], [], [], [], [], []
+    for i, v in enumerate(vals):
         log, bench, machine = runs[v]
+        # each round its own jitter seeds: rounds fitted on the same runs share a model,
+        # and their mean then averages len(vals) * JITTER_DRAWS distinct simulations
+        seed = i * JITTER_DRAWS
         config, trace, engine = workload_from_log(log)
         real.append(client_stats(bench))
         steps = load_log(str(log))[2]
@@ -215,12 +219,13 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
             # the host term: the same model at the speed this run's steps actually had
             # (an oracle, not a prediction; what is left against the real run is the model's)
             at_speed.append(run_sim_scaled(model, actual / priced, out / f"calibrated.r{v.round}.run_speed.json",
-                                           config, trace, engine["first_visible"], JITTER_DRAWS).stats)
+                                           config, trace, engine["first_visible"], JITTER_DRAWS, seed).stats)
             entry["errors_at_run_speed"] = rel_errors(at_speed[-1], real[-1])
         # calibrated: the mean of JITTER_DRAWS simulations with the calibration runs' step jitter
-        stats, sim_e2e, sim_batch, _, draws = run_sim(config, trace, path, engine["first_visible"],
-                                                       JITTER_DRAWS if calibrate_runs else 0)
+        simulated = run_sim(config, trace, path, engine["first_visible"], JITTER_DRAWS if calibrate_runs else 0, seed)
+        stats, sim_e2e, sim_batch, draws = simulated.stats, simulated.e2e, simulated.batch, simulated.latencies
         sim.append(stats)
+        sim_draws.append(simulated.draw_stats)
         entry["latencies"] = {"real": bench_latencies(bench), "sim": draws[0], "sim_draws": draws}
         if calibrate_runs:
             entry["jitter"] = model.get("jitter")
@@ -241,6 +246,9 @@ def scenario_report(name: str, slots: list[Slot], runs: dict, profile: dict, pro
               "real": real, "sim": sim, "at_run_speed": at_speed, "no_jitter": steady, "once": once,
               "uncalibrated": base, "real mean": real_mean,
               "errors": errors, "noise": run_noise(real), "rounds": rounds, "pairing": pairing,
+              # how far the two means could move by chance: the real runs' standard error,
+              # and the simulator's Monte Carlo one over its jitter draws (NaN without them)
+              "real_se": standard_error([[r] for r in real]), "sim_se": standard_error(sim_draws),
               "cpu_count": os.cpu_count()}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report
@@ -250,7 +258,9 @@ def markdown(report: dict) -> str:
     errors, noise, rounds = report["errors"], report["noise"], report["rounds"]
     per_round = [f"round {r['round'] + 1}" for r in rounds]
     cols = list(errors)
-    head = ["metric", "real mean"] + cols + per_round + ["noise (±)"]
+    real_se, sim_se = report.get("real_se"), report.get("sim_se")
+    ses = ["real mean's SE (±)", "sim's Monte Carlo SE (±)"] if real_se and sim_se else []
+    head = ["metric", "real mean"] + cols + per_round + ["noise (±)"] + ses
     lines = [f"**{report['scenario']}**: {report['num_requests']} requests at {report['rate']} req/s"
              + (f", `{report['engine_args']}`" if report["engine_args"] else "")
              + f", {len(rounds)} rounds; preemptions per round: " + ", ".join(str(r["preemptions"]) for r in rounds),
@@ -261,6 +271,8 @@ def markdown(report: dict) -> str:
         cells += [f"{errors[c][k] * 100:+.1f}%" for c in cols]
         cells += [f"{r['errors'][k] * 100:+.1f}%" for r in rounds]
         cells.append(f"{noise[k] * 100:.1f}%")
+        if ses:
+            cells += [f"{real_se[k] * 100:.1f}%", "-" if math.isnan(sim_se[k]) else f"{sim_se[k] * 100:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if rounds and "factors" in rounds[0]:
@@ -382,14 +394,18 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"   mean |error| {sum(map(abs, errs)) / len(errs) * 100:.1f}%" if errs else "")
                   + ("   <- chosen" if name == pairing else "") for name, errs in check.items()]
         parts += ["", "`sim vs mean`: the mean of the rounds' predictions against the mean of the real runs (each "
-                  f"prediction the mean of {JITTER_DRAWS} simulations with the calibration runs' step jitter); "
+                  f"prediction the mean of {JITTER_DRAWS} simulations with the calibration runs' step jitter, each round "
+                  "its own jitter seeds); "
                   "`at the run's speed`: the same prediction with every step scaled so that the validation run's "
                   "own steps cost what they measured (its host state; an oracle, not a prediction: the rest of "
                   "the error is the model's, the difference from `sim` is the host's); "
                   "`no jitter`: the same calibrated model without jitter; "
                   "`round r`: that round's prediction against its own real run; `calibrated once`: fitted on the "
                   "scenario's first calibration run only (one calibration before the validation runs, as before "
-                  "rounds); noise: the real runs' largest distance from their mean.", ""]
+                  "rounds); noise: the real runs' largest distance from their mean; the real mean's SE: its "
+                  "standard error (the real runs' sd over the square root of their number); the sim's Monte Carlo "
+                  "SE: the same for the mean prediction over its jitter draws. A difference within about twice "
+                  "their combined SE is not resolved by this many runs.", ""]
     for name in args.scenarios:
         report = scenario_report(name, slots, runs, model, profile, out / name, pairing,
                                  VLLM_SCENARIOS if args.real == "vllm" else SCENARIOS)

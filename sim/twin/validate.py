@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -303,16 +305,19 @@ class SimRun(NamedTuple):
     batch: list                      # (time, running batch size) per step (first draw)
     result: object                   # the simulator's SimResult (first draw)
     latencies: list[list]            # per draw, (ttft, tpot or None, e2e) per request in arrival order
+    draw_stats: list[dict[str, float]]   # per draw, its client-side statistics
 
 
 def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str, int] | None = None,
-            jitter_draws: int = 0) -> SimRun:
+            jitter_draws: int = 0, first_seed: int = 0) -> SimRun:
     """Simulate the logged workload; latencies as the client sees them: the engine's (from
     the request reaching the server; the first token is the one at `first_visible[id]`,
     0-based, the first with text in the real run) plus the cost model's client delays for
     the first and the last token (HTTP in and streaming out, from a served calibration).
     jitter_draws > 0 and a model with a jitter section: that many simulations with step
-    jitter seeds 0, 1, ..., their statistics averaged (the twin's expected value); the
+    jitter seeds first_seed, first_seed + 1, ..., their statistics averaged (the twin's
+    expected value; rounds that share a model take disjoint seeds, so that their mean
+    averages over distinct draws); the
     per-request latencies, the batch timeline and the result are the first draw's. Each
     request reaches the simulated engine the model's intake delay after the server (the
     server's own work on it), latencies still counted from the server."""
@@ -326,7 +331,7 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
     if intake:              # the engine sees every request `intake` later; its latencies count from the server
         trace = Trace([replace(r, arrival_time=r.arrival_time + intake) for r in trace.requests], trace.source)
         first_delay, last_delay = first_delay + intake, last_delay + intake
-    seeds = list(range(jitter_draws)) if jitter_draws > 0 and jitter_params(model, cost_model) else [None]
+    seeds = list(range(first_seed, first_seed + jitter_draws)) if jitter_draws > 0 and jitter_params(model, cost_model) else [None]
     draws = []
     for seed in seeds:
         result = simulate(sim_config_from_log(config, cost_model, seed), trace)
@@ -341,17 +346,17 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
         stats = mean_stats([d[0] for d in draws])
     e2e = {rid: lat[2] for rid, lat in done}
     batch = [(row.time, row.batch_size) for row in result.timeseries]
-    return SimRun(stats, e2e, batch, result, [[lat for _, lat in d[1]] for d in draws])
+    return SimRun(stats, e2e, batch, result, [[lat for _, lat in d[1]] for d in draws], [d[0] for d in draws])
 
 
 def run_sim_scaled(model: dict, factor: float, path: Path, config: dict, trace: Trace,
-                   first_visible: dict[str, int] | None, jitter_draws: int = 0) -> SimRun:
+                   first_visible: dict[str, int] | None, jitter_draws: int = 0, first_seed: int = 0) -> SimRun:
     """`run_sim` with every step of `model` taking `factor` times as long (the scaled model
     is written to `path`, which the simulator reads)."""
     from core.cost.fit import scaled_model
 
     path.write_text(json.dumps(scaled_model(model, factor)))
-    return run_sim(config, trace, str(path), first_visible, jitter_draws)
+    return run_sim(config, trace, str(path), first_visible, jitter_draws, first_seed)
 
 
 def sim_latencies(records, first_visible: dict[str, int] | None, first_delay: float,
@@ -377,6 +382,29 @@ def rel_errors(got: dict[str, float], ref: dict[str, float]) -> dict[str, float]
 
 def mean_stats(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+
+
+def standard_error(groups: list[list[dict[str, float]]]) -> dict[str, float]:
+    """Per metric, the standard error of the mean of the groups' means, relative to that
+    mean. Groups of several samples (each round's jitter draws): from the spread within
+    each group, the simulator's Monte Carlo error. Groups of one (the real runs): from the
+    spread across them. NaN where neither can be measured."""
+    means = [mean_stats(g) for g in groups]
+    grand = mean_stats(means)
+    out = {}
+    for k in grand:
+        if all(len(g) > 1 for g in groups):
+            var = sum(statistics.variance([d[k] for d in g]) / len(g) for g in groups) / len(groups) ** 2
+        elif len(groups) > 1:
+            var = statistics.variance([m[k] for m in means]) / len(groups)
+        else:
+            var = float("nan")
+        out[k] = math.sqrt(var) / abs(grand[k]) if grand[k] else float("nan")
+    return out
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x * 100:.1f}%"
 
 
 def run_noise(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -484,7 +512,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     mean_share = sum(shares) / len(shares) if all(shares) else None
     real_mean, noise = mean_stats(real), run_noise(real)
     draws = args.jitter_draws
-    sim_stats, sim_e2e, sim_batch, _, _ = run_sim(config, trace, args.cost_model, engine["first_visible"], draws)
+    simulated = run_sim(config, trace, args.cost_model, engine["first_visible"], draws)
+    sim_stats, sim_e2e, sim_batch = simulated.stats, simulated.e2e, simulated.batch
     eng1, real_e2e = engine_stats(trace, engine)
     rows = {f"real{k} (client)": s for k, s in enumerate(real, 1)}
     rows.update({"real mean": real_mean, "real1 (engine)": eng1, "sim": sim_stats})
@@ -499,7 +528,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # the same simulation with every step slowed as much as the real runs' stepping
         # thread was kept off its core (the machine's neighbours, the client, the server's
         # own threads): what the twin predicts given the CPU the engine actually got
-        contended, sim_e2e, sim_batch, _, _ = run_sim_scaled(model, scale, out / "cost_model.contended.json",
+        contended, sim_e2e, sim_batch, *_ = run_sim_scaled(model, scale, out / "cost_model.contended.json",
                                                              config, trace, engine["first_visible"], draws)
         rows["sim (contended)"] = contended
         errors["sim (contended) vs mean"] = rel_errors(contended, real_mean)
@@ -509,7 +538,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # the host term: each real run's workload priced at the speed its own logged steps
         # had (an oracle, not a prediction): what remains against the real runs is the model's
         at_speed = [run_sim_scaled(model, speed, out / f"cost_model.real{k}_speed.json", config, trace,
-                                   engine["first_visible"], draws).stats for k, speed in enumerate(speeds, 1)]
+                                   engine["first_visible"], draws, (k - 1) * draws).stats
+                    for k, speed in enumerate(speeds, 1)]
         rows["sim (runs' speed)"] = mean_stats(at_speed)
         errors["sim (runs' speed) vs mean"] = rel_errors(rows["sim (runs' speed)"], real_mean)
     if getattr(args, "baseline_cost_model", None):
@@ -524,7 +554,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
               "skip": getattr(args, "skip", 0), "seed": args.seed, "cost_model": args.cost_model,
               "baseline_cost_model": getattr(args, "baseline_cost_model", None), "engine_args": args.engine_args,
               "stats": rows, "errors": errors, "noise": noise, "cpu_share": shares, "contention_scale": scale,
-              "run_speed": speeds,
+              "run_speed": speeds, "real_se": standard_error([[r] for r in real]),
+              "sim_se": standard_error([simulated.draw_stats]),
               "machine": [m for _, _, m in runs], "cpu_count": os.cpu_count(),
               "preemptions_real": sum(1 for r in read_log(str(runs[0][0])) if r["kind"] == "step"
                                       for _ in r["decision"]["preempted"])}
@@ -544,6 +575,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if jittered:
         print(f"sim: the mean of {draws} simulations with step jitter (the cost model's jitter section); "
               f"sim (no jitter): one without")
+        print("standard errors (real mean / sim's Monte Carlo): " + ", ".join(
+            f"{k} {_pct(report['real_se'][k])} / {_pct(report['sim_se'][k])}" for k in report["sim_se"])
+            + " (more --real-runs / --jitter-draws narrow them)")
     if scale is not None:
         print(f"sim (contended): every step x{scale:.2f}, the real runs' slowdown from the CPU they got")
     if all(speeds):

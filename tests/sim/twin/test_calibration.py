@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -851,8 +852,8 @@ def test_the_simulated_client_sees_the_first_visible_token_plus_the_client_delay
     plain.write_text(json.dumps(_bumpy_model()))
     delayed = tmp_path / "delayed.json"
     delayed.write_text(json.dumps(dict(_bumpy_model(), client={"first_token_s": 0.25, "last_token_s": 0.05})))
-    base, e2e0, _, result, _ = run_sim(config, trace, str(plain))
-    shifted, e2e1, _, _, _ = run_sim(config, trace, str(delayed))
+    base, e2e0, _, result, *_ = run_sim(config, trace, str(plain))
+    shifted, e2e1, *_ = run_sim(config, trace, str(delayed))
     assert shifted["median_ttft"] == pytest.approx(base["median_ttft"] + 0.25)
     assert all(e2e1[k] == pytest.approx(e2e0[k] + 0.05) for k in e2e0)
     second = run_sim(config, trace, str(plain), {"a": 1, "b": 1}).stats   # first text on the 2nd token
@@ -1122,8 +1123,9 @@ class DriftingHost:
 
 
 def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift, jitter=None, wake=(),
-                               intake: float = 0.0) -> tuple[dict, str, dict]:
-    """(light scenario's report, the pairing chosen by the held-out check, the check)."""
+                               intake: float = 0.0, pairing: str | None = None) -> tuple[dict, str, dict]:
+    """(light scenario's report, the pairing chosen by the held-out check (or `pairing`
+    where given), the check)."""
     from sim.twin.rounds import schedule
     from sim.twin.tables import pick_pairing, scenario_report, serve_all
 
@@ -1133,7 +1135,8 @@ def _rounds_on_a_drifting_host(tmp_path: Path, design: str, drift, jitter=None, 
     path.write_text(json.dumps(profile))
     slots = schedule(["light"], 3, design)
     runs = serve_all(slots, DriftingHost(profile, slots, drift, jitter, wake, intake), tmp_path / "runs")
-    pairing, check = pick_pairing(slots, runs, profile)
+    chosen, check = pick_pairing(slots, runs, profile)
+    pairing = pairing or chosen
     return scenario_report("light", slots, runs, profile, str(path), tmp_path / "light", pairing), pairing, check
 
 
@@ -1249,6 +1252,43 @@ def test_a_host_whose_steps_jitter_gets_that_jitter_in_its_calibration_and_predi
     assert "no jitter vs mean" in report["errors"]
     from sim.twin.tables import markdown
     assert "| step jitter sd / corr. (+ slow part's share / corr.) |" in markdown(report)
+
+
+def test_rounds_that_share_a_model_average_distinct_jitter_draws_and_report_standard_errors(tmp_path):
+    """Every round fitted on the whole session gets the same calibrated model; were the
+    rounds to reuse one set of jitter seeds, their mean would average the same few draws
+    R times (on vLLM's queueing runs two slow draws of 16, repeated in 12 rounds, put the
+    median TTFT +18% off). Each round takes its own seeds, and the report gives the real
+    mean's standard error and the simulation's Monte Carlo one."""
+    from core.cost.fit import StepJitter
+    from sim.twin.tables import markdown
+    from sim.twin.validate import JITTER_DRAWS
+
+    report, pairing, _ = _rounds_on_a_drifting_host(tmp_path, "interleaved", lambda i: 1.1,
+                                                    StepJitter(0.1, 0.6, seed=3), pairing="session")
+    rounds = report["rounds"]
+    assert pairing == "session" and len(rounds) == 3
+    assert all(r["fed"] == rounds[0]["fed"] for r in rounds)
+    models = {(tmp_path / "light" / f"calibrated.r{r['round']}.json").read_text() for r in rounds}
+    assert len(models) == 1                                      # one model ...
+    draws = [tuple(map(tuple, d)) for r in rounds for d in r["latencies"]["sim_draws"]]
+    assert len(draws) == 3 * JITTER_DRAWS and len(set(draws)) == len(draws)      # ... and no draw twice
+    real_se, sim_se = report["real_se"], report["sim_se"]
+    for k in ("median_ttft", "median_tpot", "p90_e2el"):
+        assert 0 < sim_se[k] < 0.05 and 0 <= real_se[k] < 0.2
+    table = markdown(report)
+    assert "real mean's SE (±) | sim's Monte Carlo SE (±) |" in table
+
+
+def test_standard_errors_of_a_mean_of_means():
+    from sim.twin.validate import standard_error
+
+    runs = [{"x": 1.0}, {"x": 3.0}]                               # real runs: groups of one, spread across
+    assert standard_error([[r] for r in runs])["x"] == pytest.approx(math.sqrt(2.0 / 2) / 2.0)
+    draws = [[{"x": 1.0}, {"x": 3.0}], [{"x": 5.0}, {"x": 7.0}, {"x": 9.0}]]   # within each round's draws
+    var = (2.0 / 2 + 4.0 / 3) / 2 ** 2
+    assert standard_error(draws)["x"] == pytest.approx(math.sqrt(var) / 4.5)
+    assert math.isnan(standard_error([[{"x": 2.0}]])["x"])
 
 
 def test_the_full_profile_grid_times_prefills_of_served_prompt_sizes_in_one_step():
