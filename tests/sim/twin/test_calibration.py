@@ -283,6 +283,9 @@ def test_validate_reports_errors_and_draws_the_figure(tiny, tiny_profile, tmp_pa
     assert again["jitter_draws"] == 5 and "sim (no jitter) vs mean" in again["errors"]
     assert again["stats"]["sim (no jitter)"] == pytest.approx(stats["sim"])     # the plain model's run
     assert again["stats"]["sim"] != again["stats"]["sim (no jitter)"]
+    # how far chance could move either mean: the 2 real runs' spread, the 5 draws' spread
+    assert "standard errors (real mean / sim's Monte Carlo): output_throughput" in r.stdout
+    assert all(0 < again["sim_se"][k] < 1 and 0 <= again["real_se"][k] < 1 for k in metrics)
 
 
 # ----------------------------------------------------------------------------- decision replay
