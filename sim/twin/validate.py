@@ -58,7 +58,11 @@ METRICS = ("ttft", "tpot", "e2el")
 # Simulations per prediction with step jitter (seeds 0..K-1, statistics averaged): the
 # slices are tens of requests, so each is milliseconds; 16 draws put the average's own
 # spread well under the real runs' (a median over 30 requests moves by a few % per draw).
-JITTER_DRAWS = 16
+JITTER_DRAWS = 16              # per round of the twin tables (their mean: 16 x rounds draws)
+# One validation has no rounds to average over: under queueing a few draws whose backlog
+# never drains decide the mean (vLLM's queueing slice: 2 of 16 draws, a Monte Carlo
+# standard error of 13% of the median TTFT), so `sim validate` draws 4x as many.
+VALIDATE_JITTER_DRAWS = 64
 # A fresh server's first requests pay one-time costs in its front end: on the 2-core host
 # vLLM's API server took 40-750 ms more from the engine's first token to the client's for
 # its first ~7 requests (5 ms after), ours ~15 ms more for its first. Each real run sends
@@ -93,10 +97,11 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline-cost-model", default=None, metavar="FILE",
                    help="also simulate with this cost model (e.g. the profile before `sim calibrate`) "
                         "and report its errors next to --cost-model's")
-    p.add_argument("--jitter-draws", type=nonneg_int, default=JITTER_DRAWS, metavar="K",
+    p.add_argument("--jitter-draws", type=nonneg_int, default=VALIDATE_JITTER_DRAWS, metavar="K",
                    help="with a calibrated --cost-model (`sim calibrate`, its jitter section): average the "
                         "statistics of K simulations with step jitter seeds 0..K-1, and report the simulation "
-                        "without jitter next to them; 0: no jitter (default: %(default)s)")
+                        "without jitter next to them, and their Monte Carlo standard error; 0: no jitter (default: "
+                        "%(default)s)")
     add_warmup_argument(p)
     p.add_argument("--reuse-real", action="store_true",
                    help="take the real runs already in --out (their step logs and bench results) and only "
