@@ -55,13 +55,13 @@ from traces.model import Trace, TraceRequest
 
 GiB = 1 << 30
 METRICS = ("ttft", "tpot", "e2el")
-# Simulations per prediction with step jitter (seeds 0..K-1, statistics averaged): the
-# slices are tens of requests, so each is milliseconds; 16 draws put the average's own
-# spread well under the real runs' (a median over 30 requests moves by a few % per draw).
-JITTER_DRAWS = 16              # per round of the twin tables (their mean: 16 x rounds draws)
-# One validation has no rounds to average over: under queueing a few draws whose backlog
-# never drains decide the mean (vLLM's queueing slice: 2 of 16 draws, a Monte Carlo
-# standard error of 13% of the median TTFT), so `sim validate` draws 4x as many.
+# Simulations per prediction with step jitter (statistics averaged; the slices are tens of
+# requests, so each takes tens of milliseconds). The twin tables draw JITTER_DRAWS per round,
+# each round its own seeds, so their mean is over 16 x rounds draws. One validation has no
+# rounds to average over, and under queueing a few draws whose backlog never drains decide
+# the mean (vLLM's queueing slice: 2 of 16 draws, a Monte Carlo standard error of 13% of the
+# median TTFT): `sim validate` draws 4x as many.
+JITTER_DRAWS = 16
 VALIDATE_JITTER_DRAWS = 64
 # A fresh server's first requests pay one-time costs in its front end: on the 2-core host
 # vLLM's API server took 40-750 ms more from the engine's first token to the client's for
