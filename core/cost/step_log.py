@@ -145,15 +145,17 @@ def is_vllm_log(config: dict) -> bool:
     return config.get("engine") == "vllm"
 
 
-def loop_step_seconds(steps: list[dict], arrivals: list[dict] | None = None) -> list[tuple[dict, float]]:
+def loop_step_seconds(steps: list[dict], arrivals: list[dict] | None = None,
+                      places: list[int] | None = None) -> list[tuple[dict, float]]:
     """(step, seconds) for a vLLM log: the step's schedule-to-update time plus the gap until
     the next step's schedule() (the engine core's output processing and hand-off to its
     front end: not zero, and a cost model of vLLM prices it as the step's overhead). Left
     out: the last step (no next one), a step followed by a negative gap or one over
     MAX_LOOP_GAP_S, and one after which the engine sat idle (the next step is the first
     after idle, `steps_since_idle`: with `arrivals`, its requests all reached the server
-    after this step ended; a light load's idle gaps were 6-8% of its logged time)."""
-    place = steps_since_idle(steps, arrivals)
+    after this step ended; a light load's idle gaps were 6-8% of its logged time). `places`:
+    that list where the caller has it already."""
+    place = steps_since_idle(steps, arrivals) if places is None else places
     out = []
     for i, (rec, nxt) in enumerate(zip(steps, steps[1:])):
         gap = nxt["t_start"] - rec["t_end"]

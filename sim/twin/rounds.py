@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from core.cost.fit import ServedStep, fit_served_scale, served_factor
+from core.cost.fit import ServedStep, calibrated_seconds, fit_served_scale
 
 DESIGNS = ("interleaved", "sequential")
 CALIBRATION, VALIDATION = "calibration", "validation"
@@ -103,7 +103,7 @@ def total_error(fit_rows: Rows, held_rows: Rows) -> float:
     """Signed relative error of the held-out run's total logged seconds when each of its
     steps is priced by the served scale fitted on `fit_rows`."""
     factors = fit_served_scale(fit_rows)["factors"]
-    predicted = sum(r.predicted * served_factor(factors, r.phase, r.seqs, r.tokens) for r in held_rows)
+    predicted = sum(calibrated_seconds(r, factors) for r in held_rows)
     measured = sum(r.measured for r in held_rows)
     return (predicted - measured) / measured
 

@@ -19,8 +19,9 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm:
     key = "cpu_s" if basis == "cpu" else "step_s"
     if vllm and key != "step_s":
         raise ValueError("a vLLM log has wall seconds only: its cost model is a wall-basis one")
-    place = {id(s): k for s, k in zip(steps, steps_since_idle(steps, arrivals))}
-    timed = loop_step_seconds(steps, arrivals) if vllm else [(s, s.get(key)) for s in steps]
+    places = steps_since_idle(steps, arrivals)
+    place = {id(s): k for s, k in zip(steps, places)}
+    timed = loop_step_seconds(steps, arrivals, places) if vllm else [(s, s.get(key)) for s in steps]
     rows = []
     for s, seconds in timed:
         batch = s["decision"]["batch"]
