@@ -77,15 +77,21 @@ class EngineArgs:
     seed: int = _arg(0, "seed of the sampler's generator for requests without their own seed")
     cpu_threads: int = _arg(1, "torch intra-op threads on CPU (more than the free cores is much slower)")
     cpu_weight_format: str = _arg(
-        "auto", "CPU: the projections' weight layout: packed (oneDNN's blocked layout, 1.1-2.8x faster GEMMs "
-                "from 4 rows up, no extra memory) | both (packed, plus the dense weights for steps under "
+        "auto", "CPU: the projections' weight layout: packed (--cpu-gemm's packed layout in place of the "
+                "dense weights: oneDNN's 1.1-2.8x faster GEMMs from 4 rows up, no extra memory) | both (packed, plus the dense weights for steps under "
                 "--cpu-packed-min-rows rows, where MKL is faster on Intel: twice the projections' memory) | "
                 "dense (as loaded) | auto (packed where --cpu-packed-min-rows is 1; else both up to 2 GiB of "
                 "projections, else packed)", choices=("auto", "dense", "packed", "both"))
+    cpu_gemm: str = _arg(
+        "auto", "CPU: the library that packs the projections' weights and runs their GEMMs: mkl (MKL's packed "
+                "GEMM: on the Intel dev host 1.2-1.3x oneDNN's at 32-64 rows, the decode steps; its buffers take "
+                "~10 MB more per matrix, SmolLM2-135M's projections 1.75 GB instead of 0.42) | onednn | auto (mkl "
+                "on Intel CPUs where torch's build exports it, onednn elsewhere: MKL runs generic kernels on AMD)",
+        choices=("auto", "onednn", "mkl"))
     cpu_packed_min_rows: int | None = _arg(
         None, "CPU: the fewest rows (tokens) a step needs to run on the packed weights; smaller steps use "
-              "the dense weights (MKL). Default by CPU: 4 on Intel (MKL's GEMV wins below 4 rows there), 1 "
-              "on AMD (oneDNN's packed GEMM wins at every row count: SmolLM2 decodes of 2-3 sequences "
+              "the dense weights (MKL). Default: 1 with --cpu-gemm mkl; with onednn 4 on Intel (MKL's GEMV "
+              "wins below 4 rows there), 1 on AMD (oneDNN's packed GEMM wins at every row count: SmolLM2 decodes of 2-3 sequences "
               "2-3x faster than with MKL)")
     enforce_eager: bool = _arg(False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     compile_decode: bool = _arg(
@@ -202,6 +208,8 @@ class EngineArgs:
             raise ValueError(f"attention-backend must be cpu, torch or triton, got {self.attention_backend!r}")
         if self.cpu_weight_format not in ("auto", "dense", "packed", "both"):
             raise ValueError(f"cpu-weight-format must be auto, dense, packed or both, got {self.cpu_weight_format!r}")
+        if self.cpu_gemm not in ("auto", "onednn", "mkl"):
+            raise ValueError(f"cpu-gemm must be auto, onednn or mkl, got {self.cpu_gemm!r}")
         if self.cpu_packed_min_rows is not None and self.cpu_packed_min_rows < 1:
             raise ValueError(f"cpu-packed-min-rows must be >= 1, got {self.cpu_packed_min_rows}")
         from policies import PolicySet

@@ -28,6 +28,8 @@ from collections import defaultdict
 
 import torch
 
+from realexec.models.linear import weight_shape
+
 CATEGORIES = ("projections", "LM head", "attention", "norms", "activation", "rotary")
 # Row-count buckets of projection calls: (label, lowest rows, highest rows).
 ROW_BUCKETS = (("1-3", 1, 3), ("4-31", 4, 31), ("32-127", 32, 127), ("128-511", 128, 511),
@@ -105,7 +107,7 @@ class OpBreakdown:
     # -- what each call adds ----------------------------------------------------------
     def _projection_done(self, module, x: torch.Tensor, seconds: float) -> None:
         rows = x.numel() // x.shape[-1]
-        out_features, in_features = module.weight.shape
+        out_features, in_features = weight_shape(module.weight)
         flops = 2 * rows * in_features * out_features
         for t in (self.tally["projections"], self.by_rows[_row_bucket(rows)]):
             t.seconds += seconds
@@ -180,19 +182,20 @@ def _row_bucket(rows: int) -> str:
 
 def machine_peaks(threads: int | None = None, rounds: int = 5) -> dict:
     """This process's CPU right now: the best of `rounds` large square fp32 GEMMs (2048^3;
-    MKL's, and oneDNN's on a pre-packed weight where torch has it: the faster of the two,
-    1.2-1.3x MKL's on the AVX-512 dev hosts) and of `rounds` sums over 256 MiB of random
+    MKL's, and oneDNN's and MKL's on a pre-packed weight where torch has them: the fastest,
+    1.2-1.3x plain MKL's on the AVX-512 dev hosts) and of `rounds` sums over 256 MiB of random
     floats (memory read, not the zero page)."""
-    from realexec.models.linear import packable, packed_parameter
+    from realexec.models.linear import packable, packed_parameter, project
 
     if threads:
         torch.set_num_threads(threads)
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     gemms = [lambda: torch.mm(a, b)]
-    if packable(b):
-        packed = packed_parameter(b)
-        gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    for gemm in ("onednn", "mkl"):
+        if packable(b, gemm):
+            packed = packed_parameter(b, 1, gemm)
+            gemms.append(lambda p=packed: project(a, p))
     best_gemm = float("inf")
     for gemm in gemms:
         gemm()

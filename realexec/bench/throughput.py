@@ -235,7 +235,7 @@ def run(args) -> int:
 
 
 def _run_ours(args, engine, engine_args, trace) -> dict:
-    from realexec.models.linear import default_packed_min_rows
+    from realexec.models.linear import default_packed_min_rows, resolve_cpu_gemm
     from realexec.models.loader import resolve_dtype
     from realexec.worker.worker import resolve_device
 
@@ -243,10 +243,11 @@ def _run_ours(args, engine, engine_args, trace) -> dict:
     device = resolve_device(engine_args.device)          # as the workers resolve it (their rank 0)
     dtype = resolve_dtype(engine_args.dtype, device, engine.model_config)
     n = len(requests)
-    min_rows = engine_args.cpu_packed_min_rows or default_packed_min_rows()
+    gemm = resolve_cpu_gemm(engine_args.cpu_gemm) if device.type == "cpu" else None
+    min_rows = engine_args.cpu_packed_min_rows or default_packed_min_rows(gemm=gemm)
     print(f"model {engine_args.model or 'embedded SmolLM2-135M-Instruct'} | device {device} | dtype "
           f"{str(dtype).removeprefix('torch.')} | threads {torch.get_num_threads() if device.type == 'cpu' else '-'} "
-          + (f"| weights {engine_args.cpu_weight_format}, packed from {min_rows} row{'s' * (min_rows > 1)} "
+          + (f"| weights {engine_args.cpu_weight_format}, {gemm} packed from {min_rows} row{'s' * (min_rows > 1)} "
              if device.type == "cpu" else "")
           + f"| {n} requests, mean prompt {sum(len(i) for i, _ in requests) / n:.0f} tokens, "
           f"mean max_tokens {sum(m for _, m in requests) / n:.1f}"

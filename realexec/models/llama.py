@@ -277,12 +277,11 @@ class LlamaForCausalLM(nn.Module):
             return None
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_head(self, min_rows: int) -> int:
-        """Add the LM head's packed copy for the CPU (realexec.models.linear), used from
-        `min_rows` rows; -> bytes added."""
-        weight = self.head_weight()
-        self.head_packed = packed_parameter(weight, min_rows)
-        return weight.numel() * weight.element_size()
+    def pack_head(self, min_rows: int, gemm: str = "onednn") -> int:
+        """Add the LM head's copy packed by `gemm` for the CPU (realexec.models.linear), used
+        from `min_rows` rows; -> bytes added."""
+        self.head_packed = packed_parameter(self.head_weight(), min_rows, gemm)
+        return self.head_packed.numel() * self.head_packed.element_size()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -38,6 +38,7 @@ from core.sampling_params import SamplingParams
 
 from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.attention import AttentionMetadata
+from realexec.models.linear import compute_dtype
 from realexec.worker.sampler import Sampler
 
 
@@ -248,7 +249,7 @@ class ModelRunner:
             received = None
             if not pp.is_first:
                 received = pp.recv(input_ids.shape[0], self.model.config.hidden_size,
-                                   next(self.model.parameters()).dtype, self.device)
+                                   compute_dtype(self.model), self.device)
             hidden = self.model(input_ids, positions, self.kv_caches, md, received)
             if not pp.is_last:
                 pp.send(hidden)

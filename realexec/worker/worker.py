@@ -23,7 +23,7 @@ from core.step_message import ModelRunnerOutput, StepMessage
 from realexec.attention.torch_backend import TorchAttentionBackend
 from realexec.config import EngineArgs
 from realexec.kernels.block_ops import copy_blocks, swap_blocks
-from realexec.models.linear import pack_weights, set_parameter
+from realexec.models.linear import compute_dtype, pack_weights, set_parameter
 from realexec.models.loader import load_model
 from realexec.worker.model_runner import ModelRunner
 from realexec.distributed import ParallelLayout, check_tensor_parallel, init_distributed, stage_layer_ranges
@@ -126,12 +126,13 @@ class Worker:
         loaded = load_model(args.model, args.dtype, self.device, attn_backend=self._backend(), tp=self.tp,
                             pp=self.pp, with_tokenizer=with_tokenizer)
         if self.device.type == "cpu":
-            self.weight_format = pack_weights(loaded[0], args.cpu_weight_format, args.cpu_packed_min_rows)
+            self.weight_format = pack_weights(loaded[0], args.cpu_weight_format, args.cpu_packed_min_rows,
+                                              args.cpu_gemm)
         return loaded
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return compute_dtype(self.model)
 
     def _kv_geometry(self) -> dict:
         cfg = self.model_config

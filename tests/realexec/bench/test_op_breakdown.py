@@ -125,7 +125,7 @@ def test_bench_throughput_prints_and_writes_the_breakdown(tiny_dir, tmp_path, ca
     out = tmp_path / "res.json"
     rc = main(["bench", "throughput", "--trace", str(trace), "--model", tiny_dir, "--device", "cpu",
                "--num-gpu-blocks", "64", "--block-size", "4", "--skip-hf", "--op-breakdown",
-               "--cpu-packed-min-rows", "3", "--output-json", str(out)])
+               "--cpu-packed-min-rows", "3", "--cpu-gemm", "onednn", "--output-json", str(out)])
     assert rc == 0, capsys.readouterr().err
     rep = json.loads(out.read_text())["ours"]["op_breakdown"]
     shares = sum(r["share"] for r in rep["ops"].values()) + rep["rest"]["share"]
@@ -134,7 +134,7 @@ def test_bench_throughput_prints_and_writes_the_breakdown(tiny_dir, tmp_path, ca
     assert rep["ops"]["projections"]["share_of_peak"] > 0
     printed = capsys.readouterr().out
     assert "op breakdown of the generate loop" in printed
-    assert "| weights auto, packed from 3 rows |" in printed     # the header says which kernels ran
+    assert "| weights auto, onednn packed from 3 rows |" in printed     # the header says which kernels ran
 
 
 def test_bench_throughput_refuses_a_breakdown_it_cannot_time(tiny_dir, capsys):
