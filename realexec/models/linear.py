@@ -53,6 +53,11 @@ SMALL_ROWS = 4
 # The row count oneDNN chooses its blocking for; 16..256 measured alike for 8..512 rows.
 PACK_ROWS_HINT = 64
 AUTO_BOTH_MAX_BYTES = 2 << 30
+# "auto" keeps MKL's packed GEMM only while its buffers add at most this much memory (or this
+# fraction of the dense weights, whichever is more): a model of many small matrices (MoE
+# experts: ~10 MB each on top) packs with oneDNN instead.
+MKL_AUTO_MAX_EXTRA_BYTES = 2 << 30
+MKL_AUTO_MAX_EXTRA_FRACTION = 0.5
 # What a packed Parameter carries besides its data (`packed_parameter`).
 PACKED_ATTRS = ("min_rows", "mkl_shape")
 
@@ -128,12 +133,17 @@ class _Mkl:
         compute.restype, compute.argtypes = None, [i, i, i, i, i, i, p, i, p, i, f, p, i]
         return lib
 
+    def packed_nbytes(self, weight: torch.Tensor) -> int:
+        """Bytes of `weight`'s packed buffer (MKL's panels plus its own ~8-10 MB)."""
+        n, k = weight.shape
+        return int(self._lib.cblas_sgemm_pack_get_size(self.B_MATRIX, PACK_ROWS_HINT, n, k))
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] fp32 -> MKL's packed buffer of weight^T (uint8). MKL's buffer holds
         internal pointers: it must stay where it was packed (a torch tensor never moves)."""
         n, k = weight.shape
         w = weight.detach().contiguous()
-        buf = torch.empty(self._lib.cblas_sgemm_pack_get_size(self.B_MATRIX, PACK_ROWS_HINT, n, k), dtype=torch.uint8)
+        buf = torch.empty(self.packed_nbytes(w), dtype=torch.uint8)
         self._lib.cblas_sgemm_pack(self.ROW_MAJOR, self.B_MATRIX, self.TRANS, PACK_ROWS_HINT, n, k, 1.0,
                                    w.data_ptr(), k, buf.data_ptr())
         return buf
@@ -243,20 +253,29 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def pack_weights(model: nn.Module, fmt: str = "auto", min_rows: int | None = None, gemm: str | None = None) -> dict:
     """Pack `model`'s projection weights for the CPU in format `fmt` (see the module doc) with
-    library `gemm` (None / "auto": this CPU's, `default_cpu_gemm`); packed twins serve steps
+    library `gemm` (None / "auto": this CPU's, `default_cpu_gemm`, but oneDNN where MKL's
+    buffers would add more than MKL_AUTO_MAX_EXTRA_BYTES / _FRACTION); packed twins serve steps
     of at least `min_rows` rows (None: the library's and CPU's default). Returns {"format":
     resolved format, "gemm": the library, "packed": weights packed, "extra_bytes": memory
     added, "min_rows": the rows from which the packed weights run}. A model on another
     device, or in a dtype neither library packs, is left alone."""
     if fmt not in CPU_WEIGHT_FORMATS:
         raise ValueError(f"cpu_weight_format must be one of {', '.join(CPU_WEIGHT_FORMATS)}, got {fmt!r}")
+    auto_gemm = gemm in (None, "auto")
     gemm = resolve_cpu_gemm(gemm)
-    min_rows = default_packed_min_rows(gemm=gemm) if min_rows is None else min_rows
-    if min_rows < 1:
+    if min_rows is not None and min_rows < 1:
         raise ValueError(f"cpu_packed_min_rows must be >= 1, got {min_rows}")
     modules = projection_modules(model, gemm)
     head = model.head_weight() if hasattr(model, "head_weight") else None
     pack_head = head is not None and packable(head, gemm)
+    if auto_gemm and gemm == "mkl" and fmt != "dense":
+        weights = [m.weight for m in modules] + ([head] if pack_head else [])
+        fp32 = [w for w in weights if w.dtype == torch.float32]
+        dense_bytes = sum(_nbytes(w) for w in fp32)
+        mkl_extra = sum(_mkl.packed_nbytes(w) - _nbytes(w) for w in fp32)
+        if mkl_extra > max(MKL_AUTO_MAX_EXTRA_BYTES, MKL_AUTO_MAX_EXTRA_FRACTION * dense_bytes):
+            gemm = "onednn"
+    min_rows = default_packed_min_rows(gemm=gemm) if min_rows is None else min_rows
     if fmt == "dense" or not (modules or pack_head):
         return {"format": "dense", "gemm": None, "packed": 0, "extra_bytes": 0, "min_rows": None}
     nbytes = sum(_nbytes(m.weight) for m in modules)

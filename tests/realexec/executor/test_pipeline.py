@@ -22,6 +22,7 @@ from core import SamplingParams
 from core.kv.kv_capacity import kv_blocks_per_pipeline, kv_blocks_per_rank
 from realexec import LLM
 from realexec.executor.base import WorkerError
+from realexec.models.linear import packed_parameter, resolve_cpu_gemm
 # Imported here, not inside the hypothesis test below: importing a module that defines
 # @given tests from within a running @given test fails hypothesis' nested-test health check.
 from tests.core.test_step_message import add_mixed_workload
@@ -281,9 +282,10 @@ def test_each_stage_holds_its_layers_and_their_kv_only(mp_llm):
     num_blocks = mp_llm.engine.scheduler.kv.gpu.num_blocks
     assert [m["kv_cache"] for m in mem] == [num_blocks * 2 * 2 * (4 * 2 * 16 * 4)] * 2    # blocks, layers, K+V
     # Layers split evenly; the embedding on stage 0 and its copy as head on stage 1 are equal.
-    # The last stage also holds the final norm and, in the CPU's default weight format
-    # ("auto": dense and packed projections), the head's packed copy (realexec.models.linear).
-    assert mem[1]["weights"] - mem[0]["weights"] == 64 * 4 + 255 * 64 * 4
+    # The last stage also holds the final norm and, in the CPU's default weight format, the
+    # head's packed copy (realexec.models.linear: oneDNN's as large as the head, MKL's larger).
+    head_packed = packed_parameter(torch.zeros(255, 64), 1, resolve_cpu_gemm("auto"))
+    assert mem[1]["weights"] - mem[0]["weights"] == 64 * 4 + head_packed.numel() * head_packed.element_size()
 
 
 def test_sleep_level2_and_wake_reload_each_stage(mp_llm, reference):

@@ -165,6 +165,28 @@ def test_formats_keep_the_logits_and_what_they_say(tiny, gemm, fmt, min_rows, ex
             batch = [("a", [int(want[-1].argmax())], len(prompt) + step)]
 
 
+@needs_mkl
+def test_auto_packs_with_mkl_only_while_its_buffers_stay_small(tiny, monkeypatch):
+    """MKL's buffers carry ~8 MB each on top of the weights: "auto" takes MKL on Intel while
+    the model's extra stays under the limits (a tiny model: ~7.9 MB per matrix, under 2 GiB),
+    oneDNN past them (a model of many small experts), and an explicit "mkl" is obeyed."""
+    import realexec.models.linear as linear
+
+    monkeypatch.setattr(linear, "default_cpu_gemm", lambda vendor=None: "mkl")
+    model, _, _ = load_model(tiny, dtype=torch.float32)
+    info = pack_weights(model, "auto")
+    assert info["gemm"] == "mkl" and info["min_rows"] == 1 and info["format"] == "packed"
+    assert info["extra_bytes"] > 7e6 * info["packed"]
+    monkeypatch.setattr(linear, "MKL_AUTO_MAX_EXTRA_BYTES", info["extra_bytes"] // 2)
+    monkeypatch.setattr(linear, "MKL_AUTO_MAX_EXTRA_FRACTION", 0.5)
+    model, _, _ = load_model(tiny, dtype=torch.float32)
+    info = pack_weights(model, "auto")
+    assert info["gemm"] == "onednn" and info["min_rows"] == default_packed_min_rows(gemm="onednn")
+    assert model.head_packed.is_mkldnn
+    model, _, _ = load_model(tiny, dtype=torch.float32)
+    assert pack_weights(model, "auto", None, "mkl")["gemm"] == "mkl"
+
+
 def test_bad_format_is_refused_up_front():
     with pytest.raises(ValueError, match="cpu-weight-format must be auto, dense, packed or both, got 'fast'"):
         EngineArgs(cpu_weight_format="fast").validate()
