@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _enabled = os.environ.get("TWINSERVE_CPU_FUSED_OPS", "1") != "0"
 _lock = threading.Lock()
@@ -61,6 +61,7 @@ def _load():
                                ("twinserve_add_rms_norm_f32", [p, p, p, p, p, i64, i64, f32]),
                                ("twinserve_silu_and_mul_f32", [p, i64, p, i64, i64]),
                                ("twinserve_rotary_qk_f32", [p, i64, p, i64, p, p, i64, p, p, i64, i64, i64, i64]),
+                               ("twinserve_argmax_rows_f32", [p, i64, p, i64, i64]),
                                ("twinserve_cpu_ops_set_parallel_min", [i64])):
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, None
@@ -191,3 +192,16 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                                         hk, d)
             return q_out, k_out
     return apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> int64 [N]: each row's argmax, as torch.argmax(dim=-1) gives it (the
+    first of equal maxima; a row with NaN: its first NaN)."""
+    lib = _usable(logits)
+    if lib is None or logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
+        return logits.argmax(dim=-1)
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        lib.twinserve_argmax_rows_f32(logits.data_ptr(), logits.stride(0), out.data_ptr(), rows, cols)
+    return out

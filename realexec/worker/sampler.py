@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from core.step_message import ModelRunnerOutput
+from realexec.models.cpu_ops import argmax_rows
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -98,13 +99,13 @@ class Sampler:
                 want_logprobs.append(i)
 
         if len(greedy) == len(rows) and not want_logprobs and all(s.num_samples == 1 for s in rows):
-            best = logits.argmax(dim=-1).tolist()             # the common case: one argmax
+            best = argmax_rows(logits).tolist()               # the common case: one argmax
             return ModelRunnerOutput(token_ids={s.seq.seq_id: [t] for s, t in zip(rows, best)})
 
         chosen: list[list[int]] = [[] for _ in rows]
         beam_logprobs: dict[int, list[float]] = {}
         if greedy:
-            best = logits[greedy].argmax(dim=-1).tolist()
+            best = argmax_rows(logits[greedy]).tolist()
             for i, t in zip(greedy, best):
                 chosen[i] = [t] * rows[i].num_samples
         if random:

@@ -49,7 +49,8 @@ def fused(fn, *args):
     calls = []
     lib = cpu_ops.library()
     original = {name: getattr(lib, name) for name in ("twinserve_rms_norm_f32", "twinserve_add_rms_norm_f32",
-                                                      "twinserve_silu_and_mul_f32", "twinserve_rotary_qk_f32")}
+                                                      "twinserve_silu_and_mul_f32", "twinserve_rotary_qk_f32",
+                                                      "twinserve_argmax_rows_f32")}
     for name, f in original.items():
         setattr(lib, name, lambda *a, f=f: calls.append(1) or f(*a))
     try:
@@ -108,6 +109,30 @@ def test_silu_and_mul(rows, width, threads, parallel):
     wide = torch.randn(rows, 2 * width + 24, generator=gen)
     torch.testing.assert_close(fused(cpu_ops.silu_and_mul, wide[:, 24:]), torch_path(cpu_ops.silu_and_mul, wide[:, 24:]),
                                **TOL)
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [0, 1, 3, 64])
+@pytest.mark.parametrize("cols", [1, 15, 16, 49152, 49157])
+def test_argmax_rows_is_torch_argmax(rows, cols, threads, parallel):
+    """The greedy sampler's argmax: torch.argmax's index on random rows, on ties (the first of
+    equal maxima, in the vector body and in the tail), on -inf/+inf and NaN rows (the first
+    NaN), and on strided rows (a slice of wider logits)."""
+    gen = torch.Generator().manual_seed(rows * 7 + cols)
+    x = torch.randn(rows, cols + 8, generator=gen)[:, 3:3 + cols]
+    if rows >= 3 and cols >= 15:
+        x[0, :] = -float("inf")
+        x[0, cols - 1] = 5.0                         # the maximum in the tail
+        x[1, :] = 2.0
+        x[1, cols // 2] = x[1, cols - 1] = 7.0       # ties: the first one wins
+        x[2, 5] = float("nan")
+        x[2, cols - 2] = float("nan")
+        x[2, 0] = float("inf")
+    want = torch.argmax(x, dim=-1)
+    got = fused(cpu_ops.argmax_rows, x) if rows else cpu_ops.argmax_rows(x)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    with cpu_ops.enabled(False):
+        assert cpu_ops.argmax_rows(x).tolist() == want.tolist()
 
 
 @needs_lib
