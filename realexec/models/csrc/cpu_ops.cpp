@@ -138,7 +138,8 @@ void twinserve_rotary_qk_f32(const float* q, int64_t q_stride, const float* k, i
 // gives its first NaN (torch.argmax's answer). Rows of x at x_stride floats. Two passes: a
 // vectorized max (16 lanes, NaN-blind: a comparison with NaN is false), then a scan for the
 // first lane equal to it, which stops early and finds the row still in L1/L2. torch's argmax
-// tracks an index per element: ~10x slower than this on a [64, 49152] greedy step.
+// tracks an index per element: 3.4x slower than this on a [64, 49152] greedy step (2.8 against
+// 0.8 ms, 2 threads, the Emerald Rapids dev host).
 void twinserve_argmax_rows_f32(const float* x, int64_t x_stride, int64_t* out, int64_t rows, int64_t cols) {
 #pragma omp parallel for if (rows > 1 && rows * cols >= parallel_min)
     for (int64_t r = 0; r < rows; ++r) {
