@@ -185,14 +185,14 @@ def machine_peaks(threads: int | None = None, rounds: int = 5) -> dict:
     MKL's, and oneDNN's and MKL's on a pre-packed weight where torch has them: the fastest,
     1.2-1.3x plain MKL's on the AVX-512 dev hosts) and of `rounds` sums over 256 MiB of random
     floats (memory read, not the zero page)."""
-    from realexec.models.linear import packable, packed_parameter, project
+    from realexec.models.linear import mkl_available, packable, packed_parameter, project
 
     if threads:
         torch.set_num_threads(threads)
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     gemms = [lambda: torch.mm(a, b)]
-    for gemm in ("onednn", "mkl"):
+    for gemm in ("onednn", "mkl") if mkl_available() else ("onednn",):
         if packable(b, gemm):
             packed = packed_parameter(b, 1, gemm)
             gemms.append(lambda p=packed: project(a, p))

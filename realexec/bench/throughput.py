@@ -234,8 +234,15 @@ def run(args) -> int:
     return _run_peers(args, engine_args, ours, peers, trace)
 
 
+def _packing_note(packing: dict) -> str:
+    """", mkl packed from 1 row" for what the workers' `pack_weights` did ("" for dense)."""
+    if not packing.get("gemm"):
+        return ""
+    rows = packing["min_rows"]
+    return f", {packing['gemm']} packed from {rows} row{'s' * (rows > 1)}"
+
+
 def _run_ours(args, engine, engine_args, trace) -> dict:
-    from realexec.models.linear import default_packed_min_rows, resolve_cpu_gemm
     from realexec.models.loader import resolve_dtype
     from realexec.worker.worker import resolve_device
 
@@ -243,12 +250,10 @@ def _run_ours(args, engine, engine_args, trace) -> dict:
     device = resolve_device(engine_args.device)          # as the workers resolve it (their rank 0)
     dtype = resolve_dtype(engine_args.dtype, device, engine.model_config)
     n = len(requests)
-    gemm = resolve_cpu_gemm(engine_args.cpu_gemm) if device.type == "cpu" else None
-    min_rows = engine_args.cpu_packed_min_rows or default_packed_min_rows(gemm=gemm)
+    packing = engine.executor.collective_rpc("cpu_weight_format")[0] if device.type == "cpu" else None
     print(f"model {engine_args.model or 'embedded SmolLM2-135M-Instruct'} | device {device} | dtype "
           f"{str(dtype).removeprefix('torch.')} | threads {torch.get_num_threads() if device.type == 'cpu' else '-'} "
-          + (f"| weights {engine_args.cpu_weight_format}, {gemm} packed from {min_rows} row{'s' * (min_rows > 1)} "
-             if device.type == "cpu" else "")
+          + (f"| weights {engine_args.cpu_weight_format}{_packing_note(packing)} " if packing else "")
           + f"| {n} requests, mean prompt {sum(len(i) for i, _ in requests) / n:.0f} tokens, "
           f"mean max_tokens {sum(m for _, m in requests) / n:.1f}"
           + (f" (cap {args.max_tokens_cap})" if args.max_tokens_cap else ""), flush=True)

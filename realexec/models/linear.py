@@ -168,6 +168,11 @@ class _Mkl:
 _mkl = _Mkl()
 
 
+def mkl_available() -> bool:
+    """Whether this torch build exports MKL's packed GEMM."""
+    return _mkl.available()
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -175,8 +180,9 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def is_packed(weight: torch.Tensor | None) -> bool:
-    """Whether `weight` is a packed weight (oneDNN's or MKL's) rather than a dense matrix."""
-    return weight is not None and (weight.is_mkldnn or hasattr(weight, "mkl_shape"))
+    """Whether `weight` is a packed weight rather than a dense matrix: oneDNN's (an mkldnn
+    tensor) or MKL's (a uint8 buffer; no projection weight is uint8 otherwise)."""
+    return weight is not None and (weight.is_mkldnn or weight.dtype == torch.uint8)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -184,7 +190,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """x [..., in] -> x @ weight^T + bias [..., out]. `weight` may itself be packed (the
     "packed" format); `packed`, when given, is its packed twin, used from its `min_rows`
     rows (`packed_parameter`)."""
-    if weight.is_mkldnn or weight.dtype == torch.uint8:      # packed in place (uint8: MKL's buffer)
+    if is_packed(weight):
         return _packed_linear(x, weight, bias)
     if packed is not None and x.numel() >= packed.min_rows * x.shape[-1]:
         return _packed_linear(x, packed, bias)

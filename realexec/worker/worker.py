@@ -379,6 +379,10 @@ class Worker:
         kv = sum(t.numel() * t.element_size() for pair in self.gpu_cache for t in pair)
         return {"weights": weights, "kv_cache": kv}
 
+    def cpu_weight_format(self) -> dict | None:
+        """What `pack_weights` did on this rank (format, library, min_rows, ...); None off the CPU."""
+        return self.weight_format
+
     def num_tracked_seqs(self) -> int:
         return len(self.runner.seqs)
 
