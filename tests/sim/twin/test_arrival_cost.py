@@ -148,3 +148,47 @@ def test_validation_simulates_the_logged_workload_with_the_models_arrival_cost(t
     trace = _trace((a.token_times[10] + a.token_times[11]) / 2)
     e2e = {cost: run_sim(config, trace, str(path)).e2e for cost, path in paths.items()}
     assert e2e[0.25]["b"] == pytest.approx(e2e[0.0]["b"] + 0.25, abs=1e-9)
+
+
+def test_calibration_fits_the_arrival_cost_from_served_runs(tmp_path):
+    """Served runs in which request a decodes alone for 120 steps of the profile's price x1.1
+    while 20 others reach the server, each lengthening the step in flight by 2 ms (they are
+    turned away before the engine sees them): `calibrate` puts ~2 ms in client.arrival_s,
+    and the report says so."""
+    import json
+
+    from core.cost.fit import StepCostEvaluator, fit_step_cost, shape_of
+    from sim.twin.calibrate import calibrate, format_report
+    from tests.sim.twin.test_calibration import DriftingHost, TRUE_EXECUTE, TRUE_OVERHEAD, synthetic_samples
+
+    profile = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
+    grid = StepCostEvaluator(profile)
+    rng = random.Random(1)
+    runs = []
+    for run in range(2):
+        recs = [dict(DriftingHost.CONFIG), {"kind": "arrival", "req_id": "a", "step": 0, "t": 0.0, "t_arrival": 0.0,
+                                            "prompt_token_ids": [7] * 20}]
+        t, itls, first = 0.0, [], None
+        for j in range(121):
+            start, n = (0, 20) if j == 0 else (19 + j, 1)
+            dt = grid.step_time(*shape_of([start], [n])) * 1.1 * rng.lognormvariate(0.0, 0.02)
+            if j % 6 == 3 and j < 120:                        # someone reaches the server mid-step
+                recs.append({"kind": "arrival", "req_id": f"x{j}", "step": len(recs), "t": t + dt / 2,
+                             "t_arrival": t + dt / 2, "prompt_token_ids": [7] * 5})
+                dt += 0.002
+            recs.append({"kind": "step", "step": len(recs), "t_start": t, "t_end": t + dt, "step_s": dt,
+                         "cpu_s": dt, "decision": {"batch": [["a", start, n, 1, 4]], "preempted": []}})
+            if j:
+                itls.append(dt)
+            t += dt
+            first = first or t
+        recs.append({"kind": "finish", "req_id": "a", "status": "length", "num_output_tokens": 121,
+                     "first_text_token": 1})
+        log = tmp_path / f"run{run}.steps.jsonl"
+        log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        runs.append((log, {"ttfts": [first], "itls": [itls], "input_lens": [20], "output_lens": [121],
+                           "errors": [""]}))
+    model = calibrate(profile, runs)
+    assert model["client"]["arrival_n"] == 40
+    assert model["client"]["arrival_s"] == pytest.approx(0.002, abs=0.0005)
+    assert "arrival cost (median over 40 decode steps" in format_report(model)
