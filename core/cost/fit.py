@@ -466,6 +466,7 @@ class ServedStep(NamedTuple):
     measured: float
     wake: int = 0           # its place after the engine sat idle (1: the first step; 0: not known)
     arrivals: int = 0       # requests that reached the server while it ran
+    wall: float = 0.0       # its wall seconds (0: not known; then `measured`)
 
 
 def batch_bucket(seqs: int) -> str:
@@ -830,22 +831,25 @@ def client_delays(model: dict, where: str = "cost model") -> tuple[float, float]
 
 
 def fit_arrival_cost(rows: Sequence[Sequence], factors: dict[str, float], wake: Sequence[float] = ()) -> dict:
-    """Seconds a decode step is lengthened by one request reaching the server while it
-    runs (the server's own work on the request shares the cores with the step), from
+    """Wall seconds a decode step is lengthened by one request reaching the server while
+    it runs (the server's own work on the request shares the cores with the step), from
     calibration rows (ServedStep, `arrivals` counted): over decode steps that are not the
-    first after idle, the median of (measured - calibrated price x r0) over the steps with
-    exactly one arrival, where r0 is the median measured/price ratio of the steps with
-    none; medians, as step times have a heavy slow tail. {"arrival_s", "n"}: 0 (and the
-    count) with fewer than MIN_ARRIVAL_STEPS such steps, and never below 0."""
+    first after idle, the median of (wall - calibrated price x r0) over the steps with
+    exactly one arrival, where r0 is the median wall/price ratio of the steps with none;
+    medians, as step times have a heavy slow tail. Wall seconds, as the simulated clock
+    is: a CPU-basis row's stepping thread is mostly off its core for the server's work,
+    so its CPU seconds grow by a fraction of it. {"arrival_s", "n"}: 0 (and the count)
+    with fewer than MIN_ARRIVAL_STEPS such steps, and never below 0."""
     quiet, one = [], []
     for row in (ServedStep(*r) for r in rows):
-        if row.phase != "decode" or row.wake == 1 or row.predicted <= 0 or row.measured <= 0:
+        wall = row.wall or row.measured
+        if row.phase != "decode" or row.wake == 1 or row.predicted <= 0 or wall <= 0:
             continue
         price = calibrated_seconds(row, factors, wake)
         if row.arrivals == 0:
-            quiet.append(row.measured / price)
+            quiet.append(wall / price)
         elif row.arrivals == 1:
-            one.append((row.measured, price))
+            one.append((wall, price))
     if len(one) < MIN_ARRIVAL_STEPS or not quiet:
         return {"arrival_s": 0.0, "n": len(one)}
     r0 = statistics.median(quiet)

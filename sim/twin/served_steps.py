@@ -12,13 +12,13 @@ from core.cost.step_log import is_vllm_log, load_log, loop_step_seconds, steps_s
 
 def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm: bool = False,
               arrivals: list[dict] | None = None) -> list[ServedStep]:
-    """(phase, seqs, tokens, grid model's prediction, logged seconds, place after idle,
-    requests that reached the server during it) per logged step: CPU seconds of the
-    stepping thread for a CPU-basis profile, else wall seconds; of a vLLM log (`vllm`), a
-    step's seconds run to the next step's schedule(), as `bench fit-vllm` fits them
-    (core.cost.step_log.loop_step_seconds; `arrivals` tell its idle gaps, and every log's
-    steps' places after idle: steps_since_idle). A step's wall time runs from its t_start
-    for its logged step_s (or its seconds)."""
+    """A ServedStep per logged step: phase, seqs, tokens, the grid model's prediction, the
+    logged seconds (CPU seconds of the stepping thread for a CPU-basis profile, else wall
+    seconds; of a vLLM log (`vllm`), a step's seconds run to the next step's schedule(), as
+    `bench fit-vllm` fits them: core.cost.step_log.loop_step_seconds, `arrivals` telling
+    its idle gaps), its place after idle (steps_since_idle), the requests that reached the
+    server while it ran (`arrivals`' t_arrival) and its wall seconds (step_s; a vLLM step's
+    seconds), which run from its t_start."""
     key = "cpu_s" if basis == "cpu" else "step_s"
     if vllm and key != "step_s":
         raise ValueError("a vLLM log has wall seconds only: its cost model is a wall-basis one")
@@ -35,12 +35,11 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm:
             raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
         predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
-        start = s.get("t_start")
+        start, wall = s.get("t_start"), (seconds if vllm else s.get("step_s")) or seconds
         during = 0
         if start is not None and reached:
-            end = start + (s.get("step_s") or seconds)
-            during = bisect_left(reached, end) - bisect_left(reached, start)
-        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, seconds, place[id(s)], during))
+            during = bisect_left(reached, start + wall) - bisect_left(reached, start)
+        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, seconds, place[id(s)], during, wall))
     return rows
 
 

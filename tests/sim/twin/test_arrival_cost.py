@@ -16,7 +16,7 @@ from sim.run import simulate
 from traces import Trace, TraceRequest
 
 
-def _rows(cost: float, with_one: int = 40, seed: int = 0) -> list[ServedStep]:
+def _rows(cost: float, with_one: int = 40, seed: int = 0, wall_extra: float = 0.0) -> list[ServedStep]:
     """Decode steps priced 50 ms, served x1.1 with 3% noise; `with_one` of them had one
     arrival and took `cost` seconds more; wake and prefill steps with arrivals, far slower,
     which the fit must leave out."""
@@ -26,6 +26,8 @@ def _rows(cost: float, with_one: int = 40, seed: int = 0) -> list[ServedStep]:
         arrivals = 1 if i < with_one else 0
         measured = 0.05 * 1.1 * rng.lognormvariate(0.0, 0.03) + cost * arrivals
         rows.append(ServedStep("decode", 4, 4, 0.05, measured, 5, arrivals))
+    if wall_extra:                                          # CPU seconds grew less than wall seconds
+        rows = [r._replace(wall=r.measured, measured=r.measured - wall_extra * r.arrivals) for r in rows]
     rows += [ServedStep("decode", 1, 1, 0.05, 0.2, 1, 1)] * 50          # first steps after idle
     rows += [ServedStep("prefill", 1, 80, 0.1, 0.4, 3, 1)] * 50         # prefills
     rows += [ServedStep("decode", 4, 4, 0.05, 0.5, 4, 2)] * 50          # two arrivals: not the fit's
@@ -38,6 +40,9 @@ def test_the_fit_recovers_the_cost_of_one_arrival_from_decode_steps():
     assert fit["arrival_s"] == pytest.approx(0.0017, abs=0.0006)
     # the served factor prices the steps: the excess is over the quiet steps' ratio, not the price
     assert fit_arrival_cost(_rows(0.0017), {"decode": 1.1, "prefill": 1.0})["arrival_s"] == \
+        pytest.approx(fit["arrival_s"], rel=1e-9)
+    # rows with wall seconds: the wall's excess, whatever the CPU seconds did
+    assert fit_arrival_cost(_rows(0.0017, wall_extra=0.0012), {"decode": 1.0})["arrival_s"] == \
         pytest.approx(fit["arrival_s"], rel=1e-9)
 
 
@@ -66,6 +71,7 @@ def test_step_rows_count_the_requests_that_reached_the_server_during_each_step()
     grid = StepCostEvaluator(fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD)))
     rows = step_rows(steps, grid, "wall", arrivals=arrivals)
     assert [r.arrivals for r in rows] == [0, 1, 2, 1]
+    assert [r.wall for r in rows] == pytest.approx([0.1, 0.1, 0.1, 0.09])
     assert [r.arrivals for r in step_rows(steps, grid, "wall")] == [0, 0, 0, 0]
 
 
@@ -152,9 +158,10 @@ def test_validation_simulates_the_logged_workload_with_the_models_arrival_cost(t
 
 def test_calibration_fits_the_arrival_cost_from_served_runs(tmp_path):
     """Served runs in which request a decodes alone for 120 steps of the profile's price x1.1
-    while 20 others reach the server, each lengthening the step in flight by 2 ms (they are
-    turned away before the engine sees them): `calibrate` puts ~2 ms in client.arrival_s,
-    and the report says so."""
+    while 20 others reach the server, each lengthening the step in flight by 2 ms of wall
+    time and 0.5 ms of the stepping thread's CPU time (they are turned away before the
+    engine sees them): `calibrate` puts the wall time's ~2 ms in client.arrival_s, as the
+    simulated clock is wall time, and the report says so."""
     import json
 
     from core.cost.fit import StepCostEvaluator, fit_step_cost, shape_of
@@ -172,12 +179,13 @@ def test_calibration_fits_the_arrival_cost_from_served_runs(tmp_path):
         for j in range(121):
             start, n = (0, 20) if j == 0 else (19 + j, 1)
             dt = grid.step_time(*shape_of([start], [n])) * 1.1 * rng.lognormvariate(0.0, 0.02)
+            cpu = dt
             if j % 6 == 3 and j < 120:                        # someone reaches the server mid-step
                 recs.append({"kind": "arrival", "req_id": f"x{j}", "step": len(recs), "t": t + dt / 2,
                              "t_arrival": t + dt / 2, "prompt_token_ids": [7] * 5})
-                dt += 0.002
+                dt, cpu = dt + 0.002, cpu + 0.0005            # the stepping thread is off its core the rest
             recs.append({"kind": "step", "step": len(recs), "t_start": t, "t_end": t + dt, "step_s": dt,
-                         "cpu_s": dt, "decision": {"batch": [["a", start, n, 1, 4]], "preempted": []}})
+                         "cpu_s": cpu, "decision": {"batch": [["a", start, n, 1, 4]], "preempted": []}})
             if j:
                 itls.append(dt)
             t += dt
