@@ -170,6 +170,7 @@ def test_calibration_fits_the_arrival_cost_from_served_runs(tmp_path):
 
     profile = fit_step_cost(synthetic_samples(TRUE_EXECUTE, TRUE_OVERHEAD))
     grid = StepCostEvaluator(profile)
+    profile["profile"] = {"time_basis": "cpu"}          # steps priced in the stepping thread's CPU seconds
     rng = random.Random(1)
     runs = []
     for run in range(2):
