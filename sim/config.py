@@ -168,11 +168,6 @@ class SimConfig:
                                           "time by seeded noise with the served runs' measured step-to-step "
                                           "spread and correlation (its jitter section); runs step by step",
                                     group="simulator", type=int, metavar="S")
-    arrival_cost_s: float = _knob(0.0, "seconds a step is lengthened by each trace request that arrives while it "
-                                       "runs: a served engine's front end works on an arriving request on the "
-                                       "step's cores (`sim calibrate` measures it as the cost model's "
-                                       "client.arrival_s; `sim validate` and the twin tables apply it); runs "
-                                       "step by step", group="simulator", type=nonneg_float, metavar="S")
     event_skipping: bool = _knob(True, "skip steady decode spans in bulk (--no-event-skipping: every step one by "
                                        "one; slower, same results)", group="simulator")
 

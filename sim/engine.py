@@ -149,11 +149,6 @@ def resolve(config: SimConfig) -> ResolvedConfig:
         FittedCostModel.from_file(c.cost_model, RooflineCostModel(model, hw, c.tensor_parallel_size), c.jitter_seed)   # fails early
     elif c.jitter_seed is not None:
         raise ValueError("--jitter-seed draws noise from a calibrated cost model's jitter section: add --cost-model")
-    if not (math.isfinite(c.arrival_cost_s) and c.arrival_cost_s >= 0):
-        raise ValueError(f"arrival-cost-s must be a finite number of seconds >= 0, got {c.arrival_cost_s!r}")
-    if c.arrival_cost_s and (c.async_scheduling or c.pipeline_parallel_size > 1):
-        raise ValueError("--arrival-cost-s lengthens the steps of the synchronous engine loop: drop it, or "
-                         "--async-scheduling / --pipeline-parallel-size")
 
     if c.max_model_len is not None and c.max_model_len > model.max_model_len:
         raise ValueError(f"max-model-len {c.max_model_len} exceeds {model.name}'s context of "
@@ -314,8 +309,7 @@ class SimEngine:
         self.executor = SimExecutor(cost_model, resolved.block_bytes, seed=cfg.seed)
         self.executor.fast_tokens = cfg.n == 1 and not cfg.beam_width
         # jittered step times are drawn in step order (core.cost.fitted)
-        self.event_skipping = cfg.event_skipping and cfg.jitter_seed is None and not cfg.arrival_cost_s
-        self.arrival_cost = cfg.arrival_cost_s
+        self.event_skipping = cfg.event_skipping and cfg.jitter_seed is None
         self.progress = progress
         self.env = simpy.Environment()
         n = len(trace.requests)
@@ -520,7 +514,6 @@ class SimEngine:
         mem_add = self.memory.add
         pbar = self._pbar
         ready = self._ready
-        arrival_cost = self.arrival_cost
         while True:
             clock = self.clock
             if (self._next < n_total and arrivals[self._next] <= clock) or (ready and ready[0][0] <= clock):
@@ -553,8 +546,6 @@ class SimEngine:
                 out = step.out
                 dt = step_time(out, step.num_decodes, step.decode_context_sum)
                 num_seqs, num_tokens = step.num_seqs, step.num_batched_tokens
-            if arrival_cost:
-                dt = self._with_arrivals(clock, dt)
             result = execute(out)
             used = gpu.num_used
             running, waiting, swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
@@ -578,16 +569,6 @@ class SimEngine:
                 self._skip()
             if pbar is not None and not (self.num_normal_steps & 1023):
                 pbar.set_postfix_str(f"sim {self.clock:,.0f}s", refresh=False)
-
-    def _with_arrivals(self, clock: float, dt: float) -> float:
-        """A step starting at `clock` that would take dt, lengthened by the arrival cost for
-        each trace request arriving after `clock` and by the step's end (every one up to
-        `clock` has entered: `_intake`); a longer step can take in further arrivals."""
-        arrivals, j, n = self.arrivals, self._next, len(self.arrivals)
-        while j < n and arrivals[j] <= clock + dt:
-            dt += self.arrival_cost
-            j += 1
-        return dt
 
     def _skip(self) -> None:
         """Fast-forward through steady decode steps that start before the next event; a

@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import operator
 import random
-import statistics
 from bisect import bisect_right
 from typing import Iterable, NamedTuple, Sequence
 
@@ -453,7 +452,6 @@ BATCH_BUCKETS = (1, 4, 8, 16)            # upper bounds of the batch-size bucket
 # cost grows faster than the profile's line (1.08-1.47x served, run to run).
 PREFILL_TOKEN_BUCKETS = (64, 256)
 MIN_BUCKET_STEPS = 5                     # a bucket with fewer calibration steps uses its phase's factor
-MIN_ARRIVAL_STEPS = 10                   # decode steps with one arrival needed to fit the arrival cost
 
 
 class ServedStep(NamedTuple):
@@ -465,8 +463,6 @@ class ServedStep(NamedTuple):
     predicted: float
     measured: float
     wake: int = 0           # its place after the engine sat idle (1: the first step; 0: not known)
-    arrivals: int = 0       # requests that reached the server while it ran
-    wall: float = 0.0       # its wall seconds (0: not known; then `measured`)
 
 
 def batch_bucket(seqs: int) -> str:
@@ -828,40 +824,6 @@ def client_delays(model: dict, where: str = "cost model") -> tuple[float, float]
         return 0.0, 0.0
     c = schema.decode(model["client"], where, schema.Client, path=".client")
     return c.first_token_s, c.last_token_s
-
-
-def fit_arrival_cost(rows: Sequence[Sequence], factors: dict[str, float], wake: Sequence[float] = ()) -> dict:
-    """Wall seconds a decode step is lengthened by one request reaching the server while
-    it runs (the server's own work on the request shares the cores with the step), from
-    calibration rows (ServedStep, `arrivals` counted): over decode steps that are not the
-    first after idle, the median of (wall - calibrated price x r0) over the steps with
-    exactly one arrival, where r0 is the median wall/price ratio of the steps with none;
-    medians, as step times have a heavy slow tail. Wall seconds, as the simulated clock
-    is: a CPU-basis row's stepping thread is mostly off its core for the server's work,
-    so its CPU seconds grow by a fraction of it. {"arrival_s", "n"}: 0 (and the count)
-    with fewer than MIN_ARRIVAL_STEPS such steps, and never below 0."""
-    quiet, one = [], []
-    for row in (ServedStep(*r) for r in rows):
-        wall = row.wall or row.measured
-        if row.phase != "decode" or row.wake == 1 or row.predicted <= 0 or wall <= 0:
-            continue
-        price = calibrated_seconds(row, factors, wake)
-        if row.arrivals == 0:
-            quiet.append(wall / price)
-        elif row.arrivals == 1:
-            one.append((wall, price))
-    if len(one) < MIN_ARRIVAL_STEPS or not quiet:
-        return {"arrival_s": 0.0, "n": len(one)}
-    r0 = statistics.median(quiet)
-    return {"arrival_s": max(0.0, statistics.median(m - p * r0 for m, p in one)), "n": len(one)}
-
-
-def arrival_cost(model: dict, where: str = "cost model") -> float:
-    """Seconds a step is lengthened by each request reaching the server while it runs
-    (the `client` section's arrival_s); 0 without one."""
-    if model.get("client") is None:
-        return 0.0
-    return schema.decode(model["client"], where, schema.Client, path=".client").arrival_s
 
 
 def intake_delay(model: dict, where: str = "cost model") -> float:

@@ -81,13 +81,11 @@ class Served(msgspec.Struct):
 
 
 class Client(msgspec.Struct):
-    """Seconds a client sees its first / last token after the engine produced it,
-    (intake_s) after reaching the server a request reaches the engine, and (arrival_s) a
-    step is lengthened by each request that reaches the server while it runs."""
+    """Seconds a client sees its first / last token after the engine produced it, and
+    (intake_s) after reaching the server a request reaches the engine."""
     first_token_s: float
     last_token_s: float
     intake_s: NonNegative = 0.0
-    arrival_s: NonNegative = 0.0
 
     def __post_init__(self) -> None:
         _finite("first_token_s and last_token_s", self.first_token_s, self.last_token_s)

@@ -40,8 +40,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from core.cost.fit import (StepCostEvaluator, check_model, fit_arrival_cost, fit_served_and_wake, fit_step_jitter,
-                           summarize_errors)
+from core.cost.fit import StepCostEvaluator, check_model, fit_served_and_wake, fit_step_jitter, summarize_errors
 from core.cost.step_log import first_visible_index, intake_seconds, is_vllm_log, load_log, sample_times
 from sim.config import positive_int
 from sim.twin.served_steps import step_rows
@@ -160,8 +159,6 @@ def calibrate(model: dict, runs: list[tuple[Path, dict]], folds: int = 5) -> dic
                      "first_token": summarize_errors([d[0] for d in delays]),
                      "last_token": summarize_errors([d[1] for d in delays])}
     out["jitter"] = fit_step_jitter(per_run, out["served"]["factors"], out["wake"]["factors"])
-    arrival = fit_arrival_cost(rows, out["served"]["factors"], out["wake"]["factors"])
-    out["client"]["arrival_s"], out["client"]["arrival_n"] = arrival["arrival_s"], arrival["n"]
     check_model(out)
     return out
 
@@ -206,9 +203,6 @@ def format_report(model: dict) -> str:
     if client.get("intake_n"):
         lines.append(f"intake (median over the {client['intake_n']} requests that found the engine idle): a request "
                      f"reaches the engine +{client['intake_s'] * 1e3:.1f} ms after the server")
-    if client.get("arrival_n"):
-        lines.append(f"arrival cost (median over {client['arrival_n']} decode steps during which one request reached "
-                     f"the server): +{client['arrival_s'] * 1e3:.2f} ms per arriving request")
     return "\n".join(lines)
 
 

@@ -3,7 +3,6 @@
 `sim.twin.tables`). Reads step logs; serves and simulates nothing."""
 from __future__ import annotations
 
-from bisect import bisect_left
 from pathlib import Path
 
 from core.cost.fit import ServedStep, StepCostEvaluator, calibrated_seconds, phase_of, shape_of, wake_params
@@ -12,20 +11,17 @@ from core.cost.step_log import is_vllm_log, load_log, loop_step_seconds, steps_s
 
 def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm: bool = False,
               arrivals: list[dict] | None = None) -> list[ServedStep]:
-    """A ServedStep per logged step: phase, seqs, tokens, the grid model's prediction, the
-    logged seconds (CPU seconds of the stepping thread for a CPU-basis profile, else wall
+    """(phase, seqs, tokens, grid model's prediction, logged seconds, place after idle) per
+    logged step: CPU seconds of the stepping thread for a CPU-basis profile, else wall
     seconds; of a vLLM log (`vllm`), a step's seconds run to the next step's schedule(), as
-    `bench fit-vllm` fits them: core.cost.step_log.loop_step_seconds, `arrivals` telling
-    its idle gaps), its place after idle (steps_since_idle), the requests that reached the
-    server while it ran (`arrivals`' t_arrival) and its wall seconds (step_s; a vLLM step's
-    seconds), which run from its t_start."""
+    `bench fit-vllm` fits them (core.cost.step_log.loop_step_seconds; `arrivals` tell its
+    idle gaps, and every log's steps' places after idle: steps_since_idle)."""
     key = "cpu_s" if basis == "cpu" else "step_s"
     if vllm and key != "step_s":
         raise ValueError("a vLLM log has wall seconds only: its cost model is a wall-basis one")
     places = steps_since_idle(steps, arrivals)
     place = {id(s): k for s, k in zip(steps, places)}
     timed = loop_step_seconds(steps, arrivals, places) if vllm else [(s, s.get(key)) for s in steps]
-    reached = sorted(a.get("t_arrival", a["t"]) for a in arrivals or ())
     rows = []
     for s, seconds in timed:
         batch = s["decision"]["batch"]
@@ -35,11 +31,7 @@ def step_rows(steps: list[dict], evaluator: StepCostEvaluator, basis: str, vllm:
             raise ValueError(f"step {s.get('step')}: no {key} in the step log (a {basis}-basis profile needs it)")
         seqs, tokens, context, pairs = shape_of([b[1] for b in batch], [b[2] for b in batch])
         predicted = evaluator.grid_step_time(seqs, tokens, context, pairs)
-        start, wall = s.get("t_start"), (seconds if vllm else s.get("step_s")) or seconds
-        during = 0
-        if start is not None and reached:
-            during = bisect_left(reached, start + wall) - bisect_left(reached, start)
-        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, seconds, place[id(s)], during, wall))
+        rows.append(ServedStep(phase_of(seqs, tokens), seqs, tokens, predicted, seconds, place[id(s)]))
     return rows
 
 

@@ -285,13 +285,11 @@ def engine_stats(trace: Trace, engine: dict) -> tuple[dict[str, float], dict[str
                   sum(r.output_len for r in trace.requests) / span), e2e
 
 
-def sim_config_from_log(config: dict, cost_model: str, jitter_seed: int | None = None,
-                        arrival_cost_s: float = 0.0) -> SimConfig:
+def sim_config_from_log(config: dict, cost_model: str, jitter_seed: int | None = None) -> SimConfig:
     from core.cost.model import kv_block_bytes
     from core.cost.specs import get_model
 
     s, c, p = config["scheduler"], config["cache"], config["policies"]
-    async_scheduling = bool(s.get("async_scheduling", False))   # (an async engine's log)
     model = "SmolLM2-135M"
     block_bytes = kv_block_bytes(get_model(model), c["block_size"])
     return SimConfig(model=model, hardware="cpu-2core", num_gpu_blocks=c["num_gpu_blocks"],
@@ -302,9 +300,8 @@ def sim_config_from_log(config: dict, cost_model: str, jitter_seed: int | None =
                      queue_policy=p["queue"], preemption_mode=p["preemption"], victim_policy=p["victim"],
                      eviction_policy=p["eviction"],
                      scheduler=p.get("scheduler", "twinserve"),
-                     async_scheduling=async_scheduling, cost_model=cost_model, jitter_seed=jitter_seed,
-                     # the simulated async engine overlaps host and device work: not priced there
-                     arrival_cost_s=0.0 if async_scheduling else arrival_cost_s)
+                     async_scheduling=bool(s.get("async_scheduling", False)),   # (an async engine's log)
+                     cost_model=cost_model, jitter_seed=jitter_seed)
 
 
 class SimRun(NamedTuple):
@@ -328,9 +325,8 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
     averages over distinct draws); the
     per-request latencies, the batch timeline and the result are the first draw's. Each
     request reaches the simulated engine the model's intake delay after the server (the
-    server's own work on it), latencies still counted from the server, and every step
-    during which requests arrive is lengthened by the model's arrival cost per request."""
-    from core.cost.fit import arrival_cost, client_delays, intake_delay, jitter_params
+    server's own work on it), latencies still counted from the server."""
+    from core.cost.fit import client_delays, intake_delay, jitter_params
     from core.cost.fitted import load_cost_model_file
     from sim.run import simulate
 
@@ -343,7 +339,7 @@ def run_sim(config: dict, trace: Trace, cost_model: str, first_visible: dict[str
     seeds = list(range(first_seed, first_seed + jitter_draws)) if jitter_draws > 0 and jitter_params(model, cost_model) else [None]
     draws = []
     for seed in seeds:
-        result = simulate(sim_config_from_log(config, cost_model, seed, arrival_cost(model, cost_model)), trace)
+        result = simulate(sim_config_from_log(config, cost_model, seed), trace)
         done = sim_latencies(result.records, first_visible, first_delay, last_delay)
         total_out = sum(r.num_output_tokens for r in result.records)
         stats = _stats({"ttft": [lat[0] for _, lat in done],
