@@ -1,12 +1,14 @@
 // Fused elementwise ops of the Llama-family decoder layers on the CPU (fp32): RMSNorm,
 // residual add + RMSNorm, SiLU(gate) * up, and rotate-half rotary embedding of q and k in
-// one call; and the greedy sampler's argmax over each row of logits. Plain C ABI (no torch headers), loaded with ctypes by realexec/models/cpu_ops.py,
-// whose torch code is the oracle. The norm and rotary loops are simple enough for GCC's -O3
-// -march=native auto-vectorizer (checked with -fopt-info-vec; the sum of squares keeps 16
-// partial sums so it vectorizes without -ffast-math); SiLU runs on GCC vector types (its
-// clamps otherwise became masked branches with three divisions); rows are spread over OpenMP threads (libgomp: torch's pool) only when a call
-// has enough work (`twinserve_cpu_ops_set_parallel_min`), as waking the pool costs more
-// than a small call's work.
+// one call; and the greedy sampler's argmax over each row of logits. Plain C ABI (no torch
+// headers), loaded with ctypes by realexec/models/cpu_ops.py, whose torch code is the
+// oracle. The norm and rotary loops are simple enough for GCC's -O3 -march=native
+// auto-vectorizer (checked with -fopt-info-vec; the sum of squares keeps 16 partial sums so
+// it vectorizes without -ffast-math); SiLU runs on GCC vector types (its clamps otherwise
+// became masked branches with three divisions); rows are spread over OpenMP threads
+// (libgomp: torch's pool) only when a call has enough work
+// (`twinserve_cpu_ops_set_parallel_min`), as waking the pool costs more than a small call's
+// work.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

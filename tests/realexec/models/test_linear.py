@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from core import SamplingParams
 from realexec.config import EngineArgs
-from realexec.models.linear import (SMALL_ROWS, Linear, _mkl, compute_dtype, cpu_vendor, default_cpu_gemm,
+from realexec.models.linear import (SMALL_ROWS, Linear, compute_dtype, cpu_vendor, default_cpu_gemm, mkl_available,
                                    default_packed_min_rows, is_packed, pack_weights, packed_parameter, project,
                                    resolve_cpu_gemm, set_parameter, weight_shape)
 from realexec.models.loader import load_model
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # MKL's packed GEMM needs a torch build that exports it; CI's (the pinned CPU wheel) does, so
 # there a missing export fails these tests instead of skipping them.
-needs_mkl = pytest.mark.skipif(not _mkl.available() and not os.environ.get("CI"),
+needs_mkl = pytest.mark.skipif(not mkl_available() and not os.environ.get("CI"),
                                reason="this torch build does not export MKL's packed GEMM")
 GEMMS = ["onednn", pytest.param("mkl", marks=needs_mkl)]
 
@@ -103,7 +103,7 @@ def test_packed_min_rows_by_cpu_vendor_and_library():
 
 def test_packing_library_by_cpu_vendor():
     """MKL packs on Intel (where torch exports it), oneDNN elsewhere; "auto" is this CPU's."""
-    assert default_cpu_gemm("GenuineIntel") == ("mkl" if _mkl.available() else "onednn")
+    assert default_cpu_gemm("GenuineIntel") == ("mkl" if mkl_available() else "onednn")
     assert default_cpu_gemm("AuthenticAMD") == default_cpu_gemm("") == "onednn"
     assert resolve_cpu_gemm("auto") == resolve_cpu_gemm(None) == default_cpu_gemm(cpu_vendor())
     assert resolve_cpu_gemm("onednn") == "onednn"
